@@ -1,0 +1,140 @@
+"""The `tenx` command: a thin layer over the Python API. Errors print one clear line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tenx.errors import TenxError
+
+def cmd_data_prepare(args: argparse.Namespace) -> None:
+    from tenx.data.prepare import PrepareConfig, format_summary, prepare
+
+    cfg = PrepareConfig(
+        source=args.source, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        val_ratio=args.val_ratio, heldout_ratio=args.heldout_ratio, seed=args.seed,
+        patterns=args.pattern or None, text_field=args.text_field, column=args.column,
+        shard_tokens=args.shard_tokens, max_documents=args.max_documents,
+    )
+    manifest = prepare(cfg, progress=not args.quiet)
+    print(format_summary(manifest))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from tenx.train.config import load_run_config, resolve_config_path
+    from tenx.train.run import train
+
+    config_path = resolve_config_path(args.config)
+    cfg = load_run_config(config_path, args.set)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
+    trainer, metrics = train(cfg, run_dir, resume=args.resume)
+    print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
+    print(f"run directory: {run_dir}  (metrics: {run_dir / 'metrics.jsonl'})")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from tenx.eval.run import evaluate
+
+    report = evaluate(args.target, args.split, args.out, args.batch_size, args.device)
+    for name, r in report["datasets"].items():
+        print(
+            f"{name:>12}: {r['bits_per_byte']:.4f} bits/byte | loss {r['loss']:.4f} nats/token | "
+            f"ppl {r['perplexity']:.2f} | {r['tokens']:,} tokens | {r['bytes']:,} bytes"
+        )
+    print(f"wrote {report['path']}")
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    from tenx.data.tokenizer import load_tokenizer
+    from tenx.eval.load import load_model
+    from tenx.eval.sample import generate
+
+    loaded = load_model(args.target, args.device)
+    tokenizer = load_tokenizer(loaded.data_dir)
+    prompt = tokenizer.encode(args.prompt) if args.prompt else []
+    prompt = [tokenizer.eot_id] + prompt
+    new = generate(
+        loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        stop_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size, seed=args.seed,
+    )
+    print(args.prompt + tokenizer.decode(new))
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    from tenx.quickstart import quickstart
+
+    quickstart(args.out, steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="prepare corpora").add_subparsers(dest="data_command", required=True)
+    dp = data.add_parser("prepare", help="corpus -> tokenizer -> shards + manifest, split by document")
+    dp.add_argument("--source", required=True, help="DIR | FILE.txt | FILE.jsonl | FILE.parquet | hf:NAME[:SPLIT] | stdlib")
+    dp.add_argument("--out", required=True, help="output data directory")
+    dp.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
+    dp.add_argument("--vocab-size", type=int, default=8192)
+    dp.add_argument("--val-ratio", type=float, default=0.02)
+    dp.add_argument("--heldout-ratio", type=float, default=0.05)
+    dp.add_argument("--seed", type=int, default=0, help="salt of the document-hash split")
+    dp.add_argument("--pattern", action="append", help="glob for directory sources (repeatable), e.g. '**/*.py'")
+    dp.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    dp.add_argument("--column", default="text", help="parquet / hf column holding the text")
+    dp.add_argument("--shard-tokens", type=int, default=1 << 26, help="maximum tokens per shard file")
+    dp.add_argument("--max-documents", type=int, default=None, help="stop after this many documents")
+    dp.add_argument("--quiet", action="store_true", help="no progress bar")
+    dp.set_defaults(func=cmd_data_prepare)
+
+    tp = sub.add_parser("train", help="train a model from a TOML config")
+    tp.add_argument("--config", required=True, help="a .toml path or a shipped config name (configs/NAME.toml)")
+    tp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override (repeatable)")
+    tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
+    tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
+    tp.set_defaults(func=cmd_train)
+
+    ep = sub.add_parser("eval", help="bits per byte on held-out data")
+    ep.add_argument("target", help="run directory or checkpoint directory")
+    ep.add_argument("--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)")
+    ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
+    ep.add_argument("--batch-size", type=int, default=8)
+    ep.add_argument("--device", default="auto")
+    ep.set_defaults(func=cmd_eval)
+
+    sp = sub.add_parser("sample", help="print a continuation of a prompt")
+    sp.add_argument("target", help="run directory or checkpoint directory")
+    sp.add_argument("--prompt", default="", help="text to continue")
+    sp.add_argument("--max-new-tokens", type=int, default=200)
+    sp.add_argument("--temperature", type=float, default=0.8)
+    sp.add_argument("--top-k", type=int, default=50)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--device", default="auto")
+    sp.set_defaults(func=cmd_sample)
+
+    qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
+    qp.add_argument("--out", default="runs/quickstart", help="output directory")
+    qp.add_argument("--steps", type=int, default=None, help="override the quickstart config's steps")
+    qp.set_defaults(func=cmd_quickstart)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tenx` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TenxError as e:
+        print(f"tenx: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tenx: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

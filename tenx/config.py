@@ -1,0 +1,225 @@
+"""Typed configuration trees: dataclasses loaded from TOML with dotted-key overrides.
+
+Each component owns a small dataclass `Config` whose fields carry a `help` string in their metadata and
+whose `validate()` names the bad field. This module only knows how to turn a TOML table into such a tree,
+checking every key and type before any work starts, and how to turn the tree back into plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from tenx.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a help string (shown in errors and docs)."""
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        (inner,) = get_args(tp)
+        return f"list[{_type_name(inner)}]"
+    if tp is type(None):
+        return "none (omit the key)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to float). Raise ConfigError."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value in allowed and type(value) is type(allowed[0]):
+            return value
+        raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is list:
+        (inner,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return from_dict(tp, value, where)
+    else:  # pragma: no cover - a programming error in a Config definition
+        raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a dict, rejecting unknown keys and ill-typed values."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key '{path}'; allowed keys{' in [' + where + ']' if where else ''}: {allowed}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-data form of a config tree (None values dropped, so the result is valid TOML/JSON)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `section.key=value`; the value is read as a TOML literal, else taken as a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. --set optim.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted-key overrides to a nested dict (in place) and return it."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{k}' is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file, naming it in any error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (shipped configs live in configs/)")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def load(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
+    """Load config tree `cls` from an optional TOML file plus overrides, then validate it."""
+    data = read_toml(path) if path is not None else {}
+    apply_overrides(data, overrides or [])
+    source = str(path) if path is not None else "<defaults>"
+    try:
+        cfg = from_dict(cls, data)
+        validate_tree(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg
+
+
+def validate_tree(cfg: Any, where: str = "") -> None:
+    """Call `validate()` on every config node, prefixing errors with the node's path."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, f"{where}{f.name}.")
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}" if where and not str(e).startswith(where) else str(e)) from None
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) rows for every field of a config tree, for docs and `--help`."""
+    rows: list[tuple[str, str, str, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, f"{prefix}{f.name}."))  # type: ignore[arg-type]
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
+        )
+        rows.append((prefix + f.name, _type_name(tp), repr(default), f.metadata.get("help", "")))
+    return rows
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dumps_toml(cfg: Any) -> str:
+    """TOML text of a config tree of depth two (sections of scalars), readable by `load`."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        if not isinstance(values, dict):
+            lines.append(f"{section} = {_toml_value(values)}")
+            continue
+        lines.append(f"\n[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,0 +1,1 @@
+"""Data preparation: read documents, clean, split by document, tokenize, write verified token shards."""

@@ -1,0 +1,205 @@
+"""Document sources: a directory, a .txt/.jsonl/.parquet file, a Hugging Face dataset, or the Python stdlib."""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tenx.errors import DataError
+
+DEFAULT_PATTERNS: list[str] = ["**/*.py", "**/*.md", "**/*.txt"]
+"""Glob patterns used for a directory source when none are given."""
+
+STDLIB_PATTERNS: list[str] = ["**/*.py"]
+"""Glob patterns used for the `stdlib` source when none are given."""
+
+ACCEPTED_FORMS = (
+    "a directory, a .txt, .jsonl or .parquet file, hf:NAME[:SPLIT] (needs `pip install tenx[hf]`), or stdlib"
+)
+
+_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+_PARQUET_BATCH_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class RawDocument:
+    """One document as read from a source, before cleaning."""
+
+    id: str
+    """Stable identifier: a relative path, `file:line`, `file:row`, or the record's id field."""
+    data: bytes | str
+    """Raw file bytes (files) or the text value (jsonl, parquet, hf)."""
+
+
+def stdlib_dir() -> Path:
+    """Directory holding the running interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_kind(spec: str) -> str:
+    """Classify `spec` as "stdlib", "hf", "dir", "txt", "jsonl" or "parquet"; DataError if it is none."""
+    if spec == "stdlib":
+        return "stdlib"
+    if spec.startswith("hf:"):
+        return "hf"
+    path = Path(spec)
+    if path.is_dir():
+        return "dir"
+    if not path.exists():
+        raise DataError(f"data source {spec!r} does not exist; accepted forms: {ACCEPTED_FORMS}")
+    kind = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}.get(path.suffix.lower())
+    if kind is None:
+        raise DataError(f"data source {spec!r} has an unknown suffix; accepted forms: {ACCEPTED_FORMS}")
+    return kind
+
+
+def effective_patterns(spec: str, patterns: list[str] | None) -> list[str] | None:
+    """The glob patterns a source uses: defaults filled in for directories and stdlib, None for the rest."""
+    kind = source_kind(spec)
+    if kind == "stdlib":
+        return list(patterns) if patterns is not None else list(STDLIB_PATTERNS)
+    if kind == "dir":
+        return list(patterns) if patterns is not None else list(DEFAULT_PATTERNS)
+    if patterns is not None:
+        raise DataError(f"patterns apply only to a directory or stdlib source, not to {spec!r}")
+    return None
+
+
+def source_provenance(spec: str) -> dict[str, str]:
+    """Extra facts that pin down what a source contained (the Python version for stdlib, else nothing)."""
+    if source_kind(spec) == "stdlib":
+        return {"python_version": sys.version}
+    return {}
+
+
+def iter_documents(
+    spec: str,
+    *,
+    patterns: list[str] | None = None,
+    text_field: str = "text",
+    id_field: str | None = None,
+    column: str = "text",
+) -> Iterator[RawDocument]:
+    """Yield the documents of a source in a deterministic order."""
+    kind = source_kind(spec)
+    globs = effective_patterns(spec, patterns)
+    if kind == "stdlib":
+        assert globs is not None
+        yield from _iter_directory(stdlib_dir(), globs, excluded_dirs=_STDLIB_EXCLUDED_DIRS)
+    elif kind == "dir":
+        assert globs is not None
+        yield from _iter_directory(Path(spec), globs, excluded_dirs=frozenset())
+    elif kind == "txt":
+        path = Path(spec)
+        yield RawDocument(id=path.name, data=path.read_bytes())
+    elif kind == "jsonl":
+        yield from _iter_jsonl(Path(spec), text_field, id_field)
+    elif kind == "parquet":
+        yield from _iter_parquet(Path(spec), column)
+    else:
+        yield from _iter_hf(spec[len("hf:") :], column)
+
+
+def _iter_directory(root: Path, patterns: list[str], excluded_dirs: frozenset[str]) -> Iterator[RawDocument]:
+    relative: set[str] = set()
+    for pattern in patterns:
+        for path in root.glob(pattern):
+            rel = path.relative_to(root)
+            if excluded_dirs.intersection(rel.parts[:-1]) or not path.is_file():
+                continue
+            relative.add(rel.as_posix())
+    for rel_path in sorted(relative):
+        yield RawDocument(id=rel_path, data=(root / rel_path).read_bytes())
+
+
+def _iter_jsonl(path: Path, text_field: str, id_field: str | None) -> Iterator[RawDocument]:
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {line_no}"
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(
+                    f"{where}: not valid JSON ({e}); expected an object with field {text_field!r}"
+                ) from e
+            if not isinstance(record, dict) or text_field not in record:
+                raise DataError(f"{where}: missing field {text_field!r} (set text_field to the text's key)")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
+            if id_field is None:
+                doc_id = f"{path.name}:{line_no}"
+            else:
+                if id_field not in record:
+                    raise DataError(f"{where}: missing id field {id_field!r}")
+                doc_id = str(record[id_field])
+            yield RawDocument(id=doc_id, data=text)
+
+
+def _iter_parquet(path: Path, column: str) -> Iterator[RawDocument]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{path}: cannot read as parquet ({e})") from e
+    schema = parquet.schema_arrow
+    if column not in schema.names:
+        raise DataError(f"{path}: no column {column!r}; available columns: {', '.join(schema.names)}")
+    column_type = schema.field(column).type
+    if not (
+        pa.types.is_string(column_type)
+        or pa.types.is_large_string(column_type)
+        or pa.types.is_binary(column_type)
+        or pa.types.is_large_binary(column_type)
+    ):
+        raise DataError(f"{path}: column {column!r} has type {column_type}, expected string or binary")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
+        for value in batch.column(0).to_pylist():
+            yield RawDocument(id=f"{path.name}:{row}", data=_null_as_empty(value))
+            row += 1
+
+
+def _iter_hf(name_and_split: str, column: str) -> Iterator[RawDocument]:
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        raise DataError(
+            "the hf: source needs the optional `datasets` package: pip install tenx[hf]"
+        ) from None
+    name, split = name_and_split, "train"
+    # A local path may itself contain ':', so only an unresolvable name is split at its last ':'.
+    if ":" in name_and_split and not Path(name_and_split).exists():
+        name, split = name_and_split.rsplit(":", 1)
+    is_parquet = name.endswith(".parquet")
+    try:
+        if is_parquet:
+            dataset = datasets.load_dataset("parquet", data_files=name, split=split)
+        else:
+            dataset = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many unrelated types for "not found", "no such split", ...
+        raise DataError(f"hf:{name_and_split}: cannot load dataset {name!r} split {split!r} ({e})") from e
+    label = Path(name).name if is_parquet else name
+    if column not in dataset.column_names:
+        raise DataError(
+            f"hf:{name_and_split}: no column {column!r}; available columns: {', '.join(dataset.column_names)}"
+        )
+    row = 0
+    for batch in dataset.iter(batch_size=_PARQUET_BATCH_ROWS):
+        for value in batch[column]:
+            yield RawDocument(id=f"{label}:{row}", data=_null_as_empty(value))
+            row += 1
+
+
+def _null_as_empty(value: Any) -> bytes | str:
+    # A null cell is an empty document; cleaning then counts it as skipped rather than failing the run.
+    return "" if value is None else value

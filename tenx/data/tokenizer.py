@@ -1,0 +1,178 @@
+"""Tokenizers: byte-level BPE (Hugging Face `tokenizers`) and raw UTF-8 bytes, behind one interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tenx.data.manifest import read_manifest
+from tenx.errors import ConfigError, DataError
+from tenx.utils.io import atomic_write_text, bytes_xxhash
+
+EOT_TEXT = "<|endoftext|>"
+"""How the end-of-document token is spelled when ids are decoded to text."""
+
+BPE_FILE = "tokenizer.json"
+MIN_BPE_VOCAB = 257
+"""256 byte tokens plus the end-of-document token: the smallest byte-level BPE vocabulary (no merges)."""
+
+
+class Tokenizer(ABC):
+    """Maps text to token ids and back; `decode(encode(s)) == s` for every str that is valid UTF-8."""
+
+    kind: str
+    """"bpe" or "bytes"."""
+    vocab_size: int
+    """Number of ids in use, including the end-of-document token."""
+    eot_id: int
+    """Id appended after every document in the token stream."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (without the end-of-document token)."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; subclasses parallelise where they can."""
+        return [self.encode(text) for text in texts]
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; the end-of-document id decodes to EOT_TEXT, invalid UTF-8 to U+FFFD."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> dict[str, Any]:
+        """Write the tokenizer's files (if any) into `directory` and return its manifest entry."""
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are the UTF-8 bytes of the text; 256 ends a document."""
+
+    kind = "bytes"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text` as ids."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of byte ids, with EOT_TEXT in place of each end-of-document id."""
+        array = np.asarray(ids, dtype=np.int64)
+        if array.size and (array.min() < 0 or array.max() > self.eot_id):
+            raise ValueError(f"byte tokenizer ids must lie in 0..{self.eot_id}")
+        pieces = np.split(array, np.flatnonzero(array == self.eot_id))
+        # Every piece after the first starts with the end-of-document id that np.split cut at.
+        texts = [pieces[0].astype(np.uint8).tobytes().decode("utf-8", errors="replace")]
+        texts += [
+            EOT_TEXT + p[1:].astype(np.uint8).tobytes().decode("utf-8", errors="replace") for p in pieces[1:]
+        ]
+        return "".join(texts)
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        """Byte tokenizers need no file; the entry's hash is that of the string "bytes"."""
+        return _entry(self, file=None, digest=bytes_xxhash(b"bytes"))
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE backed by a Hugging Face `tokenizers.Tokenizer`."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer: HFTokenizer) -> None:
+        eot_id = hf_tokenizer.token_to_id(EOT_TEXT)
+        if eot_id is None:
+            raise DataError(f"BPE tokenizer has no {EOT_TEXT!r} token; re-run `tenx data prepare`")
+        # A literal "<|endoftext|>" inside a document must stay ordinary text, never the document separator.
+        hf_tokenizer.encode_special_tokens = True
+        self._hf = hf_tokenizer
+        self.vocab_size = hf_tokenizer.get_vocab_size()
+        self.eot_id = eot_id
+
+    def encode(self, text: str) -> list[int]:
+        """BPE ids of `text`."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """BPE ids of each text, encoded in parallel by `tokenizers`."""
+        return [enc.ids for enc in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of BPE ids."""
+        return self._hf.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The tokenizer serialised as `tokenizer.json` text (deterministic for a given vocabulary)."""
+        return self._hf.to_str()
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        """Write `tokenizer.json` atomically and return the manifest entry with its hash."""
+        text = self.to_json()
+        atomic_write_text(Path(directory) / BPE_FILE, text)
+        return _entry(self, file=BPE_FILE, digest=bytes_xxhash(text.encode("utf-8")))
+
+
+def _entry(tokenizer: Tokenizer, file: str | None, digest: str) -> dict[str, Any]:
+    return {
+        "kind": tokenizer.kind,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "file": file,
+        "xxhash": digest,
+    }
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, show_progress: bool = False) -> BPETokenizer:
+    """Train a byte-level BPE with an end-of-document special token on `texts`."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
+        raise ConfigError(f"vocab_size must be an integer >= {MIN_BPE_VOCAB} for BPE, got {vocab_size!r}")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TEXT],
+        # The full byte alphabet up front makes every str encodable, even bytes unseen in training.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    hf.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(hf)
+
+
+def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer of a prepared data directory, checked against its manifest entry."""
+    data_dir = Path(data_dir)
+    if entry is None:
+        entry = read_manifest(data_dir)["tokenizer"]
+    kind = entry.get("kind")
+    tokenizer: Tokenizer
+    if kind == "bytes":
+        tokenizer = ByteTokenizer()
+    elif kind == "bpe":
+        path = data_dir / str(entry.get("file"))
+        if not path.is_file():
+            raise DataError(f"tokenizer file {path} is missing; re-run `tenx data prepare`")
+        raw = path.read_bytes()
+        actual = bytes_xxhash(raw)
+        if actual != entry.get("xxhash"):
+            raise DataError(
+                f"tokenizer file {path} is corrupt: xxhash {actual}, manifest says {entry.get('xxhash')}; "
+                "re-run `tenx data prepare`"
+            )
+        tokenizer = BPETokenizer(HFTokenizer.from_str(raw.decode("utf-8")))
+    else:
+        raise DataError(
+            f"manifest in {data_dir} names unknown tokenizer kind {kind!r}; expected bpe or bytes"
+        )
+    if (tokenizer.vocab_size, tokenizer.eot_id) != (entry.get("vocab_size"), entry.get("eot_id")):
+        raise DataError(
+            f"tokenizer in {data_dir} has vocab_size {tokenizer.vocab_size}, eot_id {tokenizer.eot_id}; "
+            f"manifest says {entry.get('vocab_size')}, {entry.get('eot_id')}; re-run `tenx data prepare`"
+        )
+    return tokenizer

@@ -1,0 +1,1 @@
+"""Judging a model: held-out bits per byte, compression baselines, sampling."""

@@ -1,0 +1,49 @@
+"""`tenx eval`: bits per byte of a trained model on prepared splits and on arbitrary text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tenx.data.manifest import read_manifest
+from tenx.data.prepare import read_documents
+from tenx.data.tokenizer import load_tokenizer
+from tenx.eval.bpb import combine, eval_split, eval_texts
+from tenx.eval.load import load_model
+from tenx.utils.io import atomic_write_json
+
+PREPARED_SPLITS = ("train", "val", "heldout")
+
+
+def evaluate(
+    target: str | Path, datasets: list[str] | None = None, out: str | Path | None = None, batch_size: int = 8,
+    device: str = "auto",
+) -> dict[str, Any]:
+    """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
+
+    Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
+    """
+    loaded = load_model(target, device)
+    data_dir = loaded.data_dir
+    manifest = read_manifest(data_dir)
+    results: dict[str, dict[str, Any]] = {}
+    for name in datasets or ["heldout"]:
+        if name in PREPARED_SPLITS:
+            results[name] = eval_split(loaded.model, data_dir, name, batch_size)
+        else:
+            tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
+            texts, _stats = read_documents(name)
+            results[name] = eval_texts(loaded.model, texts, tokenizer, batch_size)
+    report = {
+        "checkpoint": str(loaded.checkpoint),
+        "step": loaded.meta["step"],
+        "tokens_trained": loaded.meta["tokens"],
+        "data_dir": str(data_dir),
+        "tokenizer": manifest["tokenizer"],
+        "datasets": results,
+        "overall": combine(results),
+    }
+    out_path = Path(out) if out else (loaded.run_dir or loaded.checkpoint) / "eval.json"
+    atomic_write_json(out_path, report)
+    report["path"] = str(out_path)
+    return report

@@ -1,0 +1,178 @@
+"""A decoder-only transformer, pure math: no training, logging or parallelism code lives here.
+
+Shape suffixes on tensor names: B batch, T sequence position, D model width, H query heads,
+K key/value heads, E head width, F MLP width, V (padded) vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tenx.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with a learned scale (and optional bias)."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return out + self.bias if self.bias is not None else out
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The configured normalisation layer over the last dimension."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps, bias=bool(cfg.bias))
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=bool(cfg.bias))
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (T, E) for rotary position embedding (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles_TE2 = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles_TE = torch.cat([angles_TE2, angles_TE2], dim=-1)
+    return angles_TE.cos().float(), angles_TE.sin().float()
+
+
+def apply_rope(x_BHTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    """Rotate query/key pairs by position-dependent angles."""
+    half = x_BHTE.shape[-1] // 2
+    x1, x2 = x_BHTE[..., :half], x_BHTE[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHTE * cos_TE + rotated * sin_TE).to(x_BHTE.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with optional grouped KV heads, QK-norm and RoPE."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.d_model and cfg.n_heads and cfg.n_kv_heads
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        bias = bool(cfg.bias)
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=bias)
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * self.n_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTE = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        kv = self.kv_proj(x_BTD).view(B, T, 2, self.n_kv_heads, self.head_dim)
+        k_BKTE, v_BKTE = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BHTE, k_BKTE = self.q_norm(q_BHTE), self.k_norm(k_BKTE)
+        if rope is not None:
+            cos_TE, sin_TE = rope[0][:T], rope[1][:T]
+            q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
+        y_BHTE = F.scaled_dot_product_attention(
+            q_BHTE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.out_proj(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """GELU MLP or SwiGLU gated MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.d_model and cfg.d_ff
+        self.gated = cfg.mlp == "swiglu"
+        bias = bool(cfg.bias)
+        self.up_proj = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=bias)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTF = self.up_proj(x_BTD)
+        if self.gated:
+            gate_BTF, up_BTF = h_BTF.chunk(2, dim=-1)
+            h_BTF = F.silu(gate_BTF) * up_BTF
+        else:
+            h_BTF = F.gelu(h_BTF, approximate="tanh")
+        return self.down_proj(h_BTF)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.d_model
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.d_model is None or cfg.vocab_size is None:
+            raise ValueError("Transformer needs a resolved ModelConfig (call cfg.resolved(vocab_size))")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.final_norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.seq_len, cfg.d_model // (cfg.n_heads or 1), cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, std), residual output projections scaled by 1/sqrt(2*depth)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norms and biases keep their constructor values (ones / zeros)
+            scale = 1.0 / math.sqrt(2 * self.cfg.depth) if name.endswith(("out_proj.weight", "down_proj.weight")) else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        T = tokens_BT.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        x_BTD = self.tok_emb(tokens_BT)
+        if self.pos_emb is not None:
+            x_BTD = x_BTD + self.pos_emb.weight[:T]
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
+        for block in self.blocks:
+            x_BTD = block(x_BTD, rope)
+        return self.lm_head(self.final_norm(x_BTD))
+
+
+def lm_loss(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, z_loss: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total loss to optimise, mean cross-entropy in nats/token), computed in fp32."""
+    logits_NV = logits_BTV.float().flatten(0, 1)
+    ce = F.cross_entropy(logits_NV, targets_BT.flatten())
+    if z_loss == 0.0:
+        return ce, ce
+    lse_N = torch.logsumexp(logits_NV, dim=-1)
+    return ce + z_loss * lse_N.square().mean(), ce

@@ -1,0 +1,122 @@
+"""What the hardware can do: device choice, bf16 support, and peak matmul FLOP/s for MFU.
+
+On a GPU the peak is the vendor's dense figure for the dtype; on a CPU there is no such figure, so it is
+measured once with a large square matmul on the threads torch uses and cached per (CPU, threads, dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (non-sparse) peak FLOP/s by GPU name substring; bf16 and tf32/fp32.
+GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989e12, "fp32": 67e12}),
+    ("H100", {"bf16": 989e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp32": 91.6e12}),
+    ("A10", {"bf16": 125e12, "fp32": 31.2e12}),
+    ("4090", {"bf16": 165e12, "fp32": 82.6e12}),
+    ("3090", {"bf16": 71e12, "fp32": 35.6e12}),
+    ("V100", {"bf16": 125e12, "fp32": 15.7e12}),
+    ("T4", {"bf16": 65e12, "fp32": 8.1e12}),
+]
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """`auto` picks CUDA when available, else CPU; an explicit name is honoured."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls pay off."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() == "arm64"  # Apple silicon has bf16 matmul support
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as the OS reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "tenx" / "peak_flops.json"
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best achieved FLOP/s of an n x n x n matmul in `dtype` on `device` over about `seconds`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else measured (CPU results cached)."""
+    key_dtype = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for sub, peaks in GPU_PEAKS:
+            if sub in name:
+                return peaks[key_dtype]
+        return measure_matmul_flops(dtype, device, n=4096)
+    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{key_dtype}|torch={torch.__version__}"
+    path = _cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure_matmul_flops(dtype, device)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cache, indent=1))
+        except OSError:
+            pass  # the cache is an optimisation only
+    return float(cache[key])
+
+
+def hardware_summary(device: torch.device) -> dict[str, object]:
+    """A description of the machine for the run's provenance record."""
+    info: dict[str, object] = {
+        "device": str(device),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info

@@ -1,0 +1,111 @@
+"""The run's config tree: model, data, optimizer, training loop, checkpoints and logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tenx import config as cfglib
+from tenx.config import field
+from tenx.data.loader import DataConfig
+from tenx.errors import ConfigError, TenxError
+from tenx.model.config import ModelConfig
+from tenx.train.optim import OptimConfig
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config_path(name: str) -> Path:
+    """A config path as given, or the name of a shipped config (`quickstart` -> configs/quickstart.toml)."""
+    path = Path(name)
+    if path.exists() or path.suffix == ".toml":
+        return path
+    shipped = CONFIG_DIR / f"{name}.toml"
+    if shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml")) if CONFIG_DIR.is_dir() else []
+    raise TenxError(f"config {name!r} not found; give a .toml path or one of: {', '.join(names) or '(none shipped)'}")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: budget, batch, device, precision."""
+
+    steps: int | None = field(None, help="optimizer steps to train (or give `tokens`)")
+    tokens: int | None = field(None, help="token budget; steps = ceil(tokens / tokens per step)")
+    micro_batch: int = field(8, help="sequences per forward/backward on each rank")
+    grad_accum: int = field(1, help="micro-batches accumulated per optimizer step")
+    seed: int = field(0, help="seed for initialisation and data order")
+    device: str = field("auto", help="'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
+    precision: Literal["auto", "fp32", "bf16"] = field(
+        "auto", help="'auto': bf16 autocast on GPUs and on CPUs with native bf16 matmuls, else fp32"
+    )
+    compile: bool = field(False, help="torch.compile the model")
+    threads: int | None = field(None, help="CPU threads for torch (default: torch's choice)")
+    eval_every: int = field(100, help="validation loss every N steps (0: only at the end)")
+    eval_batches: int = field(16, help="micro-batches of the validation split per evaluation")
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if self.steps is None and self.tokens is None:
+            raise ConfigError("train.steps: set train.steps or train.tokens")
+        if self.steps is not None and self.tokens is not None:
+            raise ConfigError("train.steps: set only one of train.steps and train.tokens")
+        for name in ("steps", "tokens", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"train.{name}: must be >= 1, got {value}")
+        for name in ("micro_batch", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every: must be >= 0, got {self.eval_every}")
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept."""
+
+    every: int = field(0, help="save every N steps (0: only at the end)")
+    at_end: bool = field(True, help="save when training finishes")
+    keep_last: int = field(3, help="keep the newest K checkpoints (0 keeps all)")
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every: must be >= 0, got {self.every}")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last: must be >= 0, got {self.keep_last}")
+
+
+@dataclass
+class LogConfig:
+    """Where metrics go."""
+
+    tensorboard: bool = field(True, help="also write scalars to RUN_DIR/tensorboard")
+    progress: bool = field(True, help="show a progress bar (a line every `print_every` steps off a terminal)")
+    print_every: int = field(50, help="steps between progress lines when not on a terminal")
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if self.print_every < 1:
+            raise ConfigError(f"log.print_every: must be >= 1, got {self.print_every}")
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; one TOML file with a section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, help="the transformer")
+    data: DataConfig = field(default_factory=DataConfig, help="training data")
+    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
+    train: TrainConfig = field(default_factory=TrainConfig, help="training loop")
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoints")
+    log: LogConfig = field(default_factory=LogConfig, help="metrics and progress")
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run config from TOML plus `section.key=value` overrides, fully validated."""
+    return cfglib.load(RunConfig, path, overrides)

@@ -1,0 +1,79 @@
+"""AdamW and learning-rate schedules (warmup + cosine, warmup-stable-decay)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from tenx.config import field
+from tenx.errors import ConfigError
+
+
+@dataclass
+class OptimConfig:
+    """AdamW hyper-parameters and the learning-rate schedule."""
+
+    lr: float = field(3e-3, help="peak learning rate")
+    min_lr_ratio: float = field(0.1, help="final learning rate as a fraction of the peak")
+    weight_decay: float = field(0.1, help="decoupled weight decay on matrices (not on norms, biases)")
+    beta1: float = field(0.9, help="AdamW beta1")
+    beta2: float = field(0.95, help="AdamW beta2")
+    eps: float = field(1e-8, help="AdamW epsilon")
+    grad_clip: float = field(1.0, help="clip the global gradient norm to this value (0 disables)")
+    schedule: Literal["cosine", "wsd", "constant"] = field("cosine", help="learning-rate schedule after warmup")
+    warmup_steps: int = field(50, help="linear warmup steps from 0 to the peak")
+    decay_fraction: float = field(0.2, help="wsd only: fraction of the run spent decaying at the end")
+    fused: bool | None = field(None, help="fused AdamW kernel; default: use it when the device supports it")
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ConfigError("optim.weight_decay, optim.grad_clip and optim.warmup_steps must be >= 0")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"optim.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a run of `total_steps` steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
+        if step < decay_start:
+            return cfg.lr
+        progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
+        return cfg.lr - (cfg.lr - floor) * progress
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; fused when the device supports it."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = cfg.fused if cfg.fused is not None else device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )

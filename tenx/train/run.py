@@ -1,0 +1,43 @@
+"""Python API for a training run: config + run directory in, trained checkpoints and metrics out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tenx.errors import TenxError
+from tenx.monitor.metrics import MetricsLogger, Progress
+from tenx.train import checkpoint as ckpt
+from tenx.train.callbacks import Checkpointing, Validation
+from tenx.train.config import RunConfig
+from tenx.train.trainer import Callback, Trainer
+
+
+def default_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
+    """Validation, then metrics sinks, then checkpointing (so a checkpoint follows the logged step)."""
+    callbacks: list[Callback] = [Validation(cfg.train.eval_every), MetricsLogger(run_dir, cfg.log.tensorboard)]
+    if cfg.log.progress:
+        callbacks.append(Progress(cfg.log.print_every))
+    callbacks.append(Checkpointing(cfg.checkpoint.every, cfg.checkpoint.at_end))
+    return callbacks
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    resume: str | None = None,
+    extra_callbacks: list[Callback] | None = None,
+) -> tuple[Trainer, dict[str, Any]]:
+    """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path."""
+    run_dir = Path(run_dir)
+    if resume is None and ckpt.list_checkpoints(run_dir / "checkpoints"):
+        raise TenxError(
+            f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
+            "or choose another --run-dir"
+        )
+    trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir) + list(extra_callbacks or []))
+    if resume is not None:
+        path = trainer.resume(resume)
+        print(f"tenx: resumed from {path} at step {trainer.step}" if path else "tenx: no checkpoint yet; starting fresh")
+    metrics = trainer.fit()
+    return trainer, metrics
