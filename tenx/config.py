@@ -57,14 +57,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own message is the most specific
+            return _coerce(value, options[0], where)
+        for arg in options:
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
     if origin is list:
         (inner,) = get_args(tp)

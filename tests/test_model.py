@@ -1,0 +1,88 @@
+"""Model: parameter and FLOP counts against a hand count; every component variant runs and trains."""
+
+import itertools
+
+import pytest
+import torch
+
+from tenx.model import ModelConfig, Transformer, count_params, flops_per_token, lm_loss
+from tenx.model.config import round_up
+
+
+def tiny_gpt2() -> ModelConfig:
+    return ModelConfig(family="gpt2", depth=2, d_model=64, head_dim=32, seq_len=64).resolved(257)
+
+
+def test_hand_count_gpt2_params_and_flops():
+    cfg = tiny_gpt2()
+    assert (cfg.vocab_size, cfg.n_heads, cfg.d_ff) == (320, 2, 256)
+    # Per block: 2 LayerNorms (w+b) 2*128, q 64*64+64, kv 64*128+128, out 64*64+64, up 64*256+256, down 256*64+64.
+    block = 2 * 128 + 4160 + 8320 + 4160 + 16640 + 16448
+    assert block == 49984
+    expected = 320 * 64 + 64 * 64 + 2 * block + 128  # tied head adds nothing
+    assert count_params(cfg).total == expected == 124672
+    assert sum(p.numel() for p in Transformer(cfg).parameters()) == expected
+    # Matmul weights per token: blocks 2*(4096+8192+4096+16384+16384) + head 64*320 = 118784.
+    # Forward = 2*118784 + attention 2 layers * (QK^T + AV) = 2*2*2*64*64 = 32768; training = 3x.
+    assert flops_per_token(cfg) == 3 * (2 * 118784 + 32768) == 811008
+
+
+def test_hand_count_llama_gqa():
+    cfg = ModelConfig(family="llama", depth=1, d_model=128, head_dim=32, n_kv_heads=2, seq_len=16).resolved(300)
+    # d_ff = round_up(8*128/3 = 341) = 384; no biases; RMSNorm weights only; untied head.
+    assert cfg.d_ff == 384 and cfg.vocab_size == 320
+    block = 128 + 128 * 128 + 128 * 2 * 2 * 32 + 128 * 128 + 128 * 2 * 384 + 384 * 128 + 128
+    assert count_params(cfg).total == 320 * 128 + block + 128 + 320 * 128
+    assert sum(p.numel() for p in Transformer(cfg).parameters()) == count_params(cfg).total
+
+
+@pytest.mark.parametrize(
+    "family,qk_norm,n_kv_heads,tie",
+    list(itertools.product(["gpt2", "llama"], [False, True], [None, 1], [True, False])),
+)
+def test_variants_count_and_backward(family, qk_norm, n_kv_heads, tie):
+    cfg = ModelConfig(
+        family=family, depth=2, head_dim=32, qk_norm=qk_norm, n_kv_heads=n_kv_heads, tie_embeddings=tie,
+        seq_len=16, z_loss=1e-4,
+    ).resolved(100)
+    model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total
+    tokens = torch.randint(0, 100, (2, 16))
+    loss, ce = lm_loss(model(tokens)[:, :-1], tokens[:, 1:], cfg.z_loss)
+    assert loss.item() > ce.item() > 0
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_initial_loss_is_near_uniform():
+    cfg = tiny_gpt2()
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(0, 257, (4, 64)), torch.randint(0, 257, (4, 64))
+    _, ce = lm_loss(Transformer(cfg)(tokens), targets)
+    assert abs(ce.item() - torch.log(torch.tensor(320.0)).item()) < 0.1
+
+
+def test_causality():
+    cfg = ModelConfig(family="llama", depth=2, head_dim=32, seq_len=32).resolved(100)
+    model = Transformer(cfg).eval()
+    a = torch.randint(0, 100, (1, 32))
+    b = a.clone()
+    b[0, 20:] = (b[0, 20:] + 1) % 100
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    assert torch.equal(la[0, :20], lb[0, :20])
+    assert not torch.equal(la[0, 20:], lb[0, 20:])
+
+
+def test_depth_derives_hardware_friendly_sizes():
+    sizes = {}
+    for depth in (1, 2, 6, 12, 24):
+        cfg = ModelConfig(family="llama", depth=depth).resolved(8192)
+        assert cfg.d_model % 64 == 0 and cfg.d_ff % 64 == 0 and cfg.vocab_size % 64 == 0
+        sizes[depth] = count_params(cfg).total
+    assert sizes[1] < sizes[2] < sizes[6] < sizes[12] < sizes[24]
+    assert ModelConfig(family="gpt2", depth=1, vocab_size=257).resolved().vocab_size == 320
+    small = ModelConfig(family="gpt2", depth=1, head_dim=32).resolved(257)
+    assert count_params(small).total < 150_000  # ~0.1M with a byte vocabulary
+    assert count_params(ModelConfig(family="llama", depth=24).resolved(32000)).total > 0.7e9
+    assert round_up(257) == 320 and round_up(320) == 320
