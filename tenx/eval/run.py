@@ -6,13 +6,24 @@ from pathlib import Path
 from typing import Any
 
 from tenx.data.manifest import read_manifest
-from tenx.data.prepare import read_documents
+from tenx.data.prepare import CleaningStats, clean_text
+from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
+from tenx.errors import DataError
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
 from tenx.utils.io import atomic_write_json
 
 PREPARED_SPLITS = ("train", "val", "heldout")
+
+
+def read_texts(spec: str) -> list[str]:
+    """The cleaned texts of any source `tenx data prepare` accepts (a file, a directory, ...)."""
+    stats = CleaningStats()
+    texts = [cleaned[0] for raw in iter_documents(spec) if (cleaned := clean_text(raw.data, stats))]
+    if not texts:
+        raise DataError(f"{spec}: no text documents to evaluate")
+    return texts
 
 
 def evaluate(
@@ -32,7 +43,7 @@ def evaluate(
             results[name] = eval_split(loaded.model, data_dir, name, batch_size)
         else:
             tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
-            texts, _stats = read_documents(name)
+            texts = read_texts(name)
             results[name] = eval_texts(loaded.model, texts, tokenizer, batch_size)
     report = {
         "checkpoint": str(loaded.checkpoint),

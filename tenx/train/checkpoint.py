@@ -32,9 +32,6 @@ FORMAT = "tenx-ckpt/1"
 MANIFEST = "tenx_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
 class _SafeUnpickler(pickle.Unpickler):
     """Admits only DCP's metadata record types and plain torch descriptors (dtype, layout, Size)."""
 
@@ -79,7 +76,9 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], meta: 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
     files = {
         p.name: {"bytes": p.stat().st_size, "xxhash": file_xxhash(p)} for p in sorted(tmp.iterdir()) if p.is_file()
     }
@@ -128,7 +127,9 @@ def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]
     """Verify, then load DCP tensors in place into `tensors`; returns the JSON manifest."""
     meta = verify_checkpoint(path)
     try:
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(path))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path))
     except CheckpointError:
         raise
     except Exception as e:  # a shape or key mismatch: the checkpoint is from a different model

@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny real corpus (a few standard-library packages) prepared once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tenx.data.prepare import PrepareConfig, prepare  # noqa: E402
+from tenx.data.sources import stdlib_dir  # noqa: E402
+from tenx.train.config import CONFIG_DIR, load_run_config  # noqa: E402
+
+TINY_PACKAGES = ("json", "email")
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A small code corpus: the `json` and `email` packages of this interpreter's standard library."""
+    root = tmp_path_factory.mktemp("corpus")
+    for pkg in TINY_PACKAGES:
+        for src in sorted((stdlib_dir() / pkg).rglob("*.py")):
+            dst = root / pkg / src.relative_to(stdlib_dir() / pkg)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_data(corpus_dir, tmp_path_factory) -> Path:
+    """The tiny corpus prepared with the byte tokenizer (10% validation, 10% held out)."""
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    prepare(
+        PrepareConfig(source=str(corpus_dir), out=str(out), tokenizer="bytes", val_ratio=0.1, heldout_ratio=0.1),
+        progress=False,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """A function: configs/tiny.toml pointed at a data directory, with overrides."""
+
+    def make(data_dir: Path, *overrides: str):
+        return load_run_config(CONFIG_DIR / "tiny.toml", [f'data.dir="{data_dir}"', "log.progress=false", *overrides])
+
+    return make
