@@ -19,7 +19,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
         shard_tokens=args.shard_tokens, max_documents=args.max_documents,
     )
     manifest = prepare(cfg, progress=not args.quiet)
-    print(format_summary(manifest))
+    print(format_summary(manifest, args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -34,7 +34,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None) ->
         print(f"[1/4] reusing prepared data in {data_dir}")
     else:
         print("[1/4] preparing the standard-library corpus (tokenizer, shards, manifest)")
-        print(format_summary(prepare(prep)))
+        print(format_summary(prepare(prep), data_dir))
 
     overrides = [f'data.dir="{data_dir}"'] + ([f"train.steps={steps}"] if steps else [])
     cfg = load_run_config(resolve_config_path("quickstart"), overrides)

@@ -151,6 +151,7 @@ def test_eval_and_sample(tiny_config, tiny_data, tmp_path, capsys):
     # Byte tokenizer: tokens = bytes + one EOT per document, so bits/byte is close to bits/token.
     assert 0.9 * val["bits_per_token"] < val["bits_per_byte"] < 1.1 * val["bits_per_token"]
     assert val["bits_per_byte"] < 4.5  # well below 8 bits for raw bytes
+    capsys.readouterr()
     assert main(["sample", str(run), "--prompt", "def ", "--max-new-tokens", "20"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out) > 5

@@ -21,7 +21,7 @@ SPLITS: tuple[str, ...] = ("train", "val", "heldout")
 INDEX_DTYPE = np.dtype("<i8")
 """Dtype of `.idx` files: the start offset (in tokens, within the shard) of each document."""
 
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Shard dtype names as recorded in the manifest, and the little-endian numpy dtype each stands for."""
 _REQUIRED_KEYS = ("format", "source", "tokenizer", "dtype", "split", "stats", "splits")
 _RERUN = "re-run `tenx data prepare --source ... --out DIR`"

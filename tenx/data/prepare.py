@@ -73,42 +73,38 @@ class PrepareConfig:
         for name in ("source", "out", "text_field", "column"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
-                raise ConfigError(f"data.{name} must be a non-empty string, got {value!r}")
+                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
         if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(
-                f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}"
-            )
+            raise ConfigError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}")
         if not _is_int(self.vocab_size) or not MIN_BPE_VOCAB <= self.vocab_size <= 2**32 - 1:
             raise ConfigError(
-                f"data.vocab_size must be an integer in [{MIN_BPE_VOCAB}, 2**32-1], got {self.vocab_size!r}"
+                f"vocab_size must be an integer in [{MIN_BPE_VOCAB}, 2**32-1], got {self.vocab_size!r}"
             )
         for name in ("val_ratio", "heldout_ratio"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-                raise ConfigError(f"data.{name} must be a number in [0, 1), got {value!r}")
+                raise ConfigError(f"{name} must be a number in [0, 1), got {value!r}")
         if self.val_ratio + self.heldout_ratio >= 1.0:
             raise ConfigError(
-                f"data.val_ratio + data.heldout_ratio must be < 1 to leave documents for training, "
+                f"val_ratio + heldout_ratio must be < 1 to leave documents for training, "
                 f"got {self.val_ratio} + {self.heldout_ratio}"
             )
         if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"data.seed must be a non-negative integer, got {self.seed!r}")
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.patterns is not None and (
             not isinstance(self.patterns, list)
             or not self.patterns
             or not all(isinstance(p, str) and p for p in self.patterns)
         ):
             raise ConfigError(
-                f"data.patterns must be null or a non-empty list of glob strings, got {self.patterns!r}"
+                f"patterns must be null or a non-empty list of glob strings, got {self.patterns!r}"
             )
         if self.id_field is not None and (not isinstance(self.id_field, str) or not self.id_field):
-            raise ConfigError(f"data.id_field must be null or a non-empty string, got {self.id_field!r}")
+            raise ConfigError(f"id_field must be null or a non-empty string, got {self.id_field!r}")
         if not _is_int(self.shard_tokens) or self.shard_tokens < 1:
-            raise ConfigError(f"data.shard_tokens must be a positive integer, got {self.shard_tokens!r}")
+            raise ConfigError(f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
         if self.max_documents is not None and (not _is_int(self.max_documents) or self.max_documents < 1):
-            raise ConfigError(
-                f"data.max_documents must be null or a positive integer, got {self.max_documents!r}"
-            )
+            raise ConfigError(f"max_documents must be null or a positive integer, got {self.max_documents!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -180,6 +176,11 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     out = Path(cfg.out)
     source_entry = _source_entry(cfg)
     documents, stats = _read_documents(cfg, progress)
+    if not documents:
+        raise DataError(
+            f"{cfg.source!r} gave no usable documents ({stats.documents_seen} read, "
+            f"{stats.empty_skipped} empty, {stats.binary_skipped} binary); check the source and its patterns"
+        )
     by_split: dict[str, list[_Document]] = {name: [] for name in SPLITS}
     for doc in documents:
         by_split[assign_split(doc.id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio)].append(doc)

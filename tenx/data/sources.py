@@ -108,7 +108,11 @@ def iter_documents(
 def _iter_directory(root: Path, patterns: list[str], excluded_dirs: frozenset[str]) -> Iterator[RawDocument]:
     relative: set[str] = set()
     for pattern in patterns:
-        for path in root.glob(pattern):
+        try:
+            matches = list(root.glob(pattern))
+        except (ValueError, NotImplementedError) as e:
+            raise DataError(f"glob pattern {pattern!r} is not usable under {root}: {e}") from e
+        for path in matches:
             rel = path.relative_to(root)
             if excluded_dirs.intersection(rel.parts[:-1]) or not path.is_file():
                 continue
@@ -165,7 +169,7 @@ def _iter_parquet(path: Path, column: str) -> Iterator[RawDocument]:
     row = 0
     for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
         for value in batch.column(0).to_pylist():
-            yield RawDocument(id=f"{path.name}:{row}", data=_null_as_empty(value))
+            yield RawDocument(id=f"{path.name}:{row}", data=_cell_data(value, f"{path}, row {row}"))
             row += 1
 
 
@@ -196,10 +200,14 @@ def _iter_hf(name_and_split: str, column: str) -> Iterator[RawDocument]:
     row = 0
     for batch in dataset.iter(batch_size=_PARQUET_BATCH_ROWS):
         for value in batch[column]:
-            yield RawDocument(id=f"{label}:{row}", data=_null_as_empty(value))
+            yield RawDocument(id=f"{label}:{row}", data=_cell_data(value, f"hf:{name_and_split}, row {row}"))
             row += 1
 
 
-def _null_as_empty(value: Any) -> bytes | str:
+def _cell_data(value: Any, where: str) -> bytes | str:
     # A null cell is an empty document; cleaning then counts it as skipped rather than failing the run.
-    return "" if value is None else value
+    if value is None:
+        return ""
+    if not isinstance(value, (str, bytes)):
+        raise DataError(f"{where}: value is {type(value).__name__}, expected a string")
+    return value

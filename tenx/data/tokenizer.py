@@ -42,7 +42,7 @@ class Tokenizer(ABC):
         return [self.encode(text) for text in texts]
 
     @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of `ids`; the end-of-document id decodes to EOT_TEXT, invalid UTF-8 to U+FFFD."""
 
     @abstractmethod
@@ -61,7 +61,7 @@ class ByteTokenizer(Tokenizer):
         """UTF-8 bytes of `text` as ids."""
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of byte ids, with EOT_TEXT in place of each end-of-document id."""
         array = np.asarray(ids, dtype=np.int64)
         if array.size and (array.min() < 0 or array.max() > self.eot_id):
@@ -102,7 +102,7 @@ class BPETokenizer(Tokenizer):
         """BPE ids of each text, encoded in parallel by `tokenizers`."""
         return [enc.ids for enc in self._hf.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of BPE ids."""
         return self._hf.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
 

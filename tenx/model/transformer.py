@@ -61,17 +61,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         bias = bool(cfg.bias)
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=bias)
-        self.kv_proj = nn.Linear(cfg.d_model, 2 * self.n_kv_heads * self.head_dim, bias=bias)
+        # One fused projection for queries, keys and values: a single larger matmul is faster.
+        self.qkv_proj = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BHTE = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        kv = self.kv_proj(x_BTD).view(B, T, 2, self.n_kv_heads, self.head_dim)
-        k_BKTE, v_BKTE = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        qkv = self.qkv_proj(x_BTD).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q_BTHE, k_BTKE, v_BTKE = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        q_BHTE, k_BKTE, v_BKTE = q_BTHE.transpose(1, 2), k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q_BHTE, k_BKTE = self.q_norm(q_BHTE), self.k_norm(k_BKTE)
         if rope is not None:

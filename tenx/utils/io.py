@@ -13,6 +13,16 @@ import xxhash
 _CHUNK = 1 << 22
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files 0600; published files get the permissions a plain open() would give them.
+_FILE_MODE = 0o666 & ~_current_umask()
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Flush a directory entry so a rename inside it survives a power loss."""
     try:
@@ -33,6 +43,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
