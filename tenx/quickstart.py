@@ -23,21 +23,32 @@ from tenx.train.run import train
 from tenx.utils.io import atomic_write_json
 
 
-def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None) -> dict[str, Any]:
-    """Run the quickstart into `out`; returns (and writes) summary.json."""
+def quickstart(
+    out: str | Path = "runs/quickstart",
+    steps: int | None = None,
+    *,
+    source: str = "stdlib",
+    tokenizer: str = "bpe",
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run the quickstart into `out`; returns (and writes) summary.json.
+
+    `source`, `tokenizer` and config `overrides` exist for tests and experiments; the defaults are the
+    README's main job.
+    """
     t0 = time.perf_counter()
     out = Path(out)
     data_dir, run_dir = out / "data", out / "run"
 
-    prep = PrepareConfig(source="stdlib", out=str(data_dir), tokenizer="bpe", vocab_size=8192)
+    prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=8192)
     if is_prepared(prep):
         print(f"[1/4] reusing prepared data in {data_dir}")
     else:
-        print("[1/4] preparing the standard-library corpus (tokenizer, shards, manifest)")
+        print(f"[1/4] preparing the corpus '{source}' (tokenizer, shards, manifest)")
         print(format_summary(prepare(prep), data_dir))
 
-    overrides = [f'data.dir="{data_dir}"'] + ([f"train.steps={steps}"] if steps else [])
-    cfg = load_run_config(resolve_config_path("quickstart"), overrides)
+    settings = [f'data.dir="{data_dir}"', *(overrides or [])] + ([f"train.steps={steps}"] if steps else [])
+    cfg = load_run_config(resolve_config_path("quickstart"), settings)
     existing = ckpt.list_checkpoints(run_dir / "checkpoints")
     done = cfg.train.steps is not None and existing and existing[-1][0] >= cfg.train.steps
     if done:
@@ -55,7 +66,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None) ->
     tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
     heldout_bytes = "".join(split_documents_text(data_dir, manifest, "heldout", tokenizer)).encode("utf-8")
     xz_bpb = xz_bits_per_byte(heldout_bytes)
-    curve = plot_loss_curve(run_dir / "metrics.jsonl", out / "loss_curve.png", "tenx quickstart (stdlib)")
+    curve = plot_loss_curve(run_dir / "metrics.jsonl", out / "loss_curve.png", f"tenx quickstart ({source})")
 
     summary = {
         "heldout_bits_per_byte": heldout["bits_per_byte"],

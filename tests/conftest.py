@@ -47,3 +47,14 @@ def tiny_config():
         return load_run_config(CONFIG_DIR / "tiny.toml", [f'data.dir="{data_dir}"', "log.progress=false", *overrides])
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus_multishard(corpus_dir, tmp_path_factory) -> Path:
+    """The tiny corpus with small shards, so the training split spans several files."""
+    out = tmp_path_factory.mktemp("data") / "multishard"
+    prepare(
+        PrepareConfig(source=str(corpus_dir), out=str(out), tokenizer="bytes", shard_tokens=50_000),
+        progress=False,
+    )
+    return out

@@ -179,13 +179,16 @@ class TokenLoader:
 
 
 def sequential_windows(stream: TokenStream, seq_len: int, batch_size: int, max_batches: int | None = None):
-    """Deterministic (inputs, targets) batches over the stream in order, for validation loss."""
+    """Deterministic (inputs, targets) batches for validation loss.
+
+    With `max_batches`, the windows are spread evenly over the whole split (not its first documents, which
+    in sorted-id order can all come from one unusual file); without it, every window in order.
+    """
     n = (len(stream) - 1) // seq_len
-    if max_batches is not None:
-        n = min(n, max_batches * batch_size)
-    for first in range(0, n, batch_size):
-        rows = np.stack(
-            [stream.read(w * seq_len, seq_len + 1) for w in range(first, min(n, first + batch_size))]
-        )
+    windows = np.arange(n)
+    if max_batches is not None and max_batches * batch_size < n:
+        windows = np.unique(np.linspace(0, n - 1, max_batches * batch_size).round().astype(np.int64))
+    for first in range(0, len(windows), batch_size):
+        rows = np.stack([stream.read(int(w) * seq_len, seq_len + 1) for w in windows[first : first + batch_size]])
         tokens = torch.from_numpy(rows)
         yield tokens[:, :-1], tokens[:, 1:]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from tenx.errors import CheckpointError
@@ -126,14 +127,15 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Verify, then load DCP tensors in place into `tensors`; returns the JSON manifest."""
     meta = verify_checkpoint(path)
+    reader = SafeFileSystemReader(path)
+    reader.read_metadata()  # refuses foreign pickled objects with a clear error, before DCP's own read
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(path))
-    except CheckpointError:
-        raise
-    except Exception as e:  # a shape or key mismatch: the checkpoint is from a different model
-        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
+            dcp.load(tensors, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
+        first_line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {first_line}") from None
     return meta
 
 

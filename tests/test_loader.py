@@ -1,0 +1,103 @@
+"""Loader: deterministic, resumable, rank-sliced global batches, epoch accounting."""
+
+import numpy as np
+import pytest
+import torch
+
+from tenx.data.loader import TokenLoader, TokenStream, sequential_windows
+from tenx.errors import DataError
+
+
+def batches(loader: TokenLoader, n: int) -> list[torch.Tensor]:
+    return [loader.next_batch()[0] for _ in range(n)]
+
+
+def test_targets_are_inputs_shifted_by_one(tiny_data):
+    stream = TokenStream(tiny_data, "train")
+    x, y = TokenLoader(stream, 32, 4, seed=1).next_batch()
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_same_seed_same_batches_other_seed_differs(tiny_data):
+    stream = TokenStream(tiny_data, "train")
+    a, b = batches(TokenLoader(stream, 32, 4, seed=3), 5), batches(TokenLoader(stream, 32, 4, seed=3), 5)
+    c = batches(TokenLoader(stream, 32, 4, seed=4), 5)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not all(torch.equal(p, q) for p, q in zip(a, c))
+
+
+def test_ranks_partition_the_global_batch(tiny_data):
+    stream = TokenStream(tiny_data, "train")
+    single = batches(TokenLoader(stream, 32, 8, seed=0), 3)
+    r0 = batches(TokenLoader(stream, 32, 4, seed=0, rank=0, world_size=2), 3)
+    r1 = batches(TokenLoader(stream, 32, 4, seed=0, rank=1, world_size=2), 3)
+    for whole, a, b in zip(single, r0, r1):
+        assert torch.equal(whole, torch.cat([a, b]))
+
+
+def test_state_dict_resumes_exactly(tiny_data):
+    stream = TokenStream(tiny_data, "train")
+    loader = TokenLoader(stream, 32, 4, seed=0)
+    batches(loader, 7)
+    state = loader.state_dict()
+    expected = batches(loader, 5)
+    fresh = TokenLoader(stream, 32, 4, seed=0)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(p, q) for p, q in zip(expected, batches(fresh, 5)))
+    with pytest.raises(DataError, match="data or seq_len changed"):
+        TokenLoader(stream, 64, 4, seed=0).load_state_dict(state)
+
+
+def test_epochs_each_window_once_then_reshuffled(tiny_data):
+    """With max_unique_tokens the stream repeats: each epoch is a permutation of the same windows."""
+    stream = TokenStream(tiny_data, "train", max_tokens=32 * 10 + 1)
+    loader = TokenLoader(stream, 32, 5, seed=0)
+    assert loader.num_windows == 10
+    epoch0 = torch.cat(batches(loader, 2))
+    assert loader.epoch == 1 and loader.cursor == 0 and loader.epochs_seen == 1.0
+    epoch1 = torch.cat(batches(loader, 2))
+    key = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
+    assert key(epoch0) == key(epoch1)  # the same 10 windows...
+    assert not torch.equal(epoch0, epoch1)  # ...in a new order
+    expected = np.asarray(stream.read(0, 321))
+    assert sorted(r[0] for r in epoch0.tolist()) == sorted(int(expected[w * 32]) for w in range(10))
+    batches(loader, 1)
+    assert loader.epochs_seen == 2.5
+
+
+def test_batches_span_epoch_boundary(tiny_data):
+    stream = TokenStream(tiny_data, "train", max_tokens=32 * 3 + 1)
+    loader = TokenLoader(stream, 32, 2, seed=0)
+    batches(loader, 3)  # 6 windows = 2 epochs of 3
+    assert (loader.epoch, loader.cursor) == (2, 0)
+
+
+def test_stream_reads_across_shards(tiny_corpus_multishard):
+    stream = TokenStream(tiny_corpus_multishard, "train")
+    assert len(stream.shards) > 1
+    whole = np.concatenate([np.asarray(s, dtype=np.int64) for s in stream.shards])
+    boundary = stream.starts[1]
+    assert np.array_equal(stream.read(boundary - 5, 10), whole[boundary - 5 : boundary + 5])
+
+
+def test_validation_windows_spread_over_the_split(tiny_data):
+    stream = TokenStream(tiny_data, "val")
+    n = (len(stream) - 1) // 16
+    every = list(sequential_windows(stream, 16, 4))
+    assert sum(len(x) for x, _ in every) == n
+    assert np.array_equal(every[0][0][1].numpy(), stream.read(16, 16))
+    spread = list(sequential_windows(stream, 16, 4, max_batches=2))
+    assert len(spread) == 2 and spread[0][0].shape == (4, 16)
+    assert np.array_equal(spread[-1][0][-1].numpy(), stream.read((n - 1) * 16, 16))  # reaches the end
+
+
+def test_too_little_data_is_a_clear_error(tiny_data):
+    stream = TokenStream(tiny_data, "train", max_tokens=10)
+    with pytest.raises(DataError, match="fewer than one sequence of 33; prepare more data or lower model.seq_len"):
+        TokenLoader(stream, 32, 1)
+
+
+def test_unknown_split_names_available(tiny_data):
+    with pytest.raises(DataError, match="no split 'test'; available: "):
+        TokenStream(tiny_data, "test")
