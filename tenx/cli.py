@@ -30,15 +30,23 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_run_config(config_path, args.set)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
     trainer, metrics = train(cfg, run_dir, resume=args.resume)
-    print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
+    if metrics:
+        print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
+    else:
+        print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
     print(f"run directory: {run_dir}  (metrics: {run_dir / 'metrics.jsonl'})")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from tenx.eval.run import evaluate
 
-    report = evaluate(args.target, args.split, args.out, args.batch_size, args.device)
+    report = evaluate(
+        args.target, args.split, args.out, args.batch_size, args.device, stride=args.stride, precision=args.precision
+    )
     for name, r in report["datasets"].items():
+        if not r["tokens"]:
+            print(f"{name:>12}: empty")
+            continue
         print(
             f"{name:>12}: {r['bits_per_byte']:.4f} bits/byte | loss {r['loss']:.4f} nats/token | "
             f"ppl {r['perplexity']:.2f} | {r['tokens']:,} tokens | {r['bytes']:,} bytes"
@@ -103,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
     ep.add_argument("--batch-size", type=int, default=8)
     ep.add_argument("--device", default="auto")
+    ep.add_argument("--stride", type=int, default=None,
+                    help="tokens each scoring window moves (default seq_len/2; seq_len: no overlap)")
+    ep.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     ep.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("sample", help="print a continuation of a prompt")
@@ -110,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt", default="", help="text to continue")
     sp.add_argument("--max-new-tokens", type=int, default=200)
     sp.add_argument("--temperature", type=float, default=0.8)
-    sp.add_argument("--top-k", type=int, default=50)
+    sp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--device", default="auto")
     sp.set_defaults(func=cmd_sample)

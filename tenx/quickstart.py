@@ -50,8 +50,8 @@ def quickstart(
     settings = [f'data.dir="{data_dir}"', *(overrides or [])] + ([f"train.steps={steps}"] if steps else [])
     cfg = load_run_config(resolve_config_path("quickstart"), settings)
     existing = ckpt.list_checkpoints(run_dir / "checkpoints")
-    done = cfg.train.steps is not None and existing and existing[-1][0] >= cfg.train.steps
-    if done:
+    latest, _ = ckpt.latest_verified(run_dir / "checkpoints")
+    if latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= (cfg.train.steps or 0):
         print(f"[2/4] reusing finished run in {run_dir}")
     else:
         print(f"[2/4] training configs/quickstart.toml into {run_dir}")
@@ -63,8 +63,8 @@ def quickstart(
 
     print("[4/4] compressing the same held-out bytes with xz -9e")
     manifest = read_manifest(data_dir)
-    tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
-    heldout_bytes = "".join(split_documents_text(data_dir, manifest, "heldout", tokenizer)).encode("utf-8")
+    tok = load_tokenizer(data_dir, manifest["tokenizer"])
+    heldout_bytes = "".join(split_documents_text(data_dir, manifest, "heldout", tok)).encode("utf-8")
     xz_bpb = xz_bits_per_byte(heldout_bytes)
     curve = plot_loss_curve(run_dir / "metrics.jsonl", out / "loss_curve.png", f"tenx quickstart ({source})")
 

@@ -2,8 +2,8 @@
 
 The split's documents form one token stream (each document followed by the end-of-document token), with
 one end-of-document token prepended so the first token has a context. The stream is scored in windows of
-seq_len that each start where the last one ended, so every token, the end-of-document ones included, is
-predicted exactly once. Bits per byte divides the total code length by the UTF-8 bytes of the documents,
+seq_len; each window moves `stride` tokens (default: seq_len, so windows do not overlap) and scores only
+targets not scored before, so every token, the end-of-document ones included, is predicted exactly once. Bits per byte divides the total code length by the UTF-8 bytes of the documents,
 which makes models with different tokenizers, and xz, comparable on exactly the same bytes.
 """
 
@@ -22,47 +22,62 @@ from tenx.data.tokenizer import Tokenizer
 from tenx.model.transformer import Transformer
 
 
+def window_plan(n_targets: int, seq_len: int, stride: int) -> tuple[int, list[tuple[int, int]]]:
+    """(window length, [(start, first scored position)]) so every target is scored exactly once.
+
+    Each window after the first starts so that its first unscored target has seq_len - stride tokens of
+    context (stride == seq_len: non-overlapping windows); the last window is moved back to stay full length.
+    """
+    length = min(seq_len, n_targets)
+    plan, scored = [], 0
+    while scored < n_targets:
+        start = min(max(0, scored + stride - seq_len), n_targets - length)
+        plan.append((start, scored - start))
+        scored = start + length
+    return length, plan
+
+
 @torch.no_grad()
 def stream_nll(
-    model: Transformer, tokens: np.ndarray, eot_id: int, batch_size: int = 8, device: torch.device | None = None,
+    model: Transformer, tokens: np.ndarray, eot_id: int, batch_size: int = 8, *, stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
 ) -> tuple[float, int]:
-    """(total negative log-likelihood in nats, tokens scored) of `tokens` under `model`."""
-    device = device or next(model.parameters()).device
+    """(total negative log-likelihood in nats, tokens scored) of `tokens` under `model`.
+
+    `stride` (default seq_len) is how far each window moves; a smaller stride gives every scored token at
+    least seq_len - stride tokens of context, at seq_len / stride times the compute.
+    """
+    device = next(model.parameters()).device
     T = model.cfg.seq_len
+    stride = min(stride or T, T)
     stream = np.concatenate([np.array([eot_id], dtype=np.int64), np.asarray(tokens, dtype=np.int64)])
     n_targets = len(stream) - 1
-    starts = list(range(0, n_targets, T))
-    full = [s for s in starts if s + T <= n_targets]
+    if n_targets == 0:
+        return 0.0, 0
+    length, plan = window_plan(n_targets, T, stride)
+    positions = torch.arange(length, device=device)
     model.eval()
     total = 0.0
-    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else None
-
-    def score(rows: np.ndarray) -> float:
-        batch = torch.from_numpy(rows).to(device)
-        if autocast is not None:
-            with autocast:
-                logits = model(batch[:, :-1])
-        else:
+    for i in range(0, len(plan), batch_size):
+        chunk = plan[i : i + batch_size]
+        batch = torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])).to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             logits = model(batch[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-
-    for i in range(0, len(full), batch_size):
-        rows = np.stack([stream[s : s + T + 1] for s in full[i : i + batch_size]])
-        total += score(rows)
-    if len(full) < len(starts):  # the last, shorter window
-        total += score(stream[starts[-1] :][None, :])
+        nll = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+        first = torch.tensor([f for _, f in chunk], device=device)
+        mask = positions[None, :] >= first[:, None]
+        total += nll.view(len(chunk), length)[mask].sum().item()
     return total, n_targets
 
 
 def summarize(nll: float, tokens: int, num_bytes: int) -> dict[str, Any]:
-    """Loss (nats/token), perplexity and bits per byte from a total NLL."""
-    loss = nll / tokens if tokens else float("nan")
+    """Loss (nats/token), perplexity and bits per byte from a total NLL (None for an empty dataset)."""
+    loss = nll / tokens if tokens else None
     return {
         "loss": loss,
-        "perplexity": math.exp(loss) if tokens else float("nan"),
-        "bits_per_byte": nll / math.log(2) / num_bytes if num_bytes else float("nan"),
-        "bits_per_token": loss / math.log(2) if tokens else float("nan"),
+        "perplexity": math.exp(loss) if loss is not None else None,
+        "bits_per_byte": nll / math.log(2) / num_bytes if num_bytes else None,
+        "bits_per_token": loss / math.log(2) if loss is not None else None,
         "tokens": tokens,
         "bytes": num_bytes,
         "nll_nats": nll,
@@ -70,19 +85,20 @@ def summarize(nll: float, tokens: int, num_bytes: int) -> dict[str, Any]:
 
 
 def eval_split(
-    model: Transformer, data_dir: str | Path, split: str, batch_size: int = 8, amp_dtype: torch.dtype = torch.float32
+    model: Transformer, data_dir: str | Path, split: str, batch_size: int = 8, *, stride: int | None = None,
+    amp_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Bits per byte of `model` on a prepared split (checksums verified first)."""
     stream = TokenStream(data_dir, split, verify=True)
     eot = int(stream.manifest["tokenizer"]["eot_id"])
     tokens = stream.read(0, len(stream)) if len(stream) else np.zeros(0, dtype=np.int64)
     # The stream already ends each document with EOT; the prepended EOT gives the first document context.
-    nll, n = stream_nll(model, tokens, eot, batch_size, amp_dtype=amp_dtype)
+    nll, n = stream_nll(model, tokens, eot, batch_size, stride=stride, amp_dtype=amp_dtype)
     return summarize(nll, n, int(stream.manifest["splits"][split]["bytes"]))
 
 
 def eval_texts(
-    model: Transformer, texts: list[str], tokenizer: Tokenizer, batch_size: int = 8,
+    model: Transformer, texts: list[str], tokenizer: Tokenizer, batch_size: int = 8, *, stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Bits per byte of `model` on arbitrary documents, tokenized with the run's tokenizer."""
@@ -90,7 +106,9 @@ def eval_texts(
     for doc in tokenizer.encode_batch(texts):
         ids.extend(doc)
         ids.append(tokenizer.eot_id)
-    nll, n = stream_nll(model, np.array(ids, dtype=np.int64), tokenizer.eot_id, batch_size, amp_dtype=amp_dtype)
+    nll, n = stream_nll(
+        model, np.array(ids, dtype=np.int64), tokenizer.eot_id, batch_size, stride=stride, amp_dtype=amp_dtype
+    )
     return summarize(nll, n, sum(len(t.encode("utf-8")) for t in texts))
 
 

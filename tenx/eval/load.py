@@ -27,8 +27,8 @@ class LoadedModel:
 
     @property
     def data_dir(self) -> Path:
-        """The prepared data directory the model was trained on."""
-        return Path(self.meta["config"]["data"]["dir"])
+        """The prepared data directory the model was trained on (absolute, so any working directory works)."""
+        return Path(self.meta.get("data_dir") or self.meta["config"]["data"]["dir"])
 
 
 def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
@@ -49,11 +49,10 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
 def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
     """Rebuild the model recorded in the checkpoint and load its weights (no optimizer state)."""
     path, run_dir = resolve_checkpoint(target)
-    meta = ckpt.verify_checkpoint(path)
-    model_cfg = cfglib.from_dict(ModelConfig, meta["model"])
+    model_cfg = cfglib.from_dict(ModelConfig, ckpt.read_checkpoint_meta(path)["model"])
     model = Transformer(model_cfg).to(pick_device(device))
     tensors = {"model": get_model_state_dict(model)}
-    ckpt.load_checkpoint(path, tensors)
+    meta = ckpt.load_checkpoint(path, tensors)  # verifies every file's checksum first
     set_model_state_dict(model, tensors["model"])
     model.eval()
     return LoadedModel(model, path, meta, run_dir)

@@ -10,6 +10,7 @@ from tenx.data.prepare import CleaningStats, clean_text
 from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError
+from tenx.train.trainer import resolve_precision
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
 from tenx.utils.io import atomic_write_json
@@ -27,30 +28,44 @@ def read_texts(spec: str) -> list[str]:
 
 
 def evaluate(
-    target: str | Path, datasets: list[str] | None = None, out: str | Path | None = None, batch_size: int = 8,
+    target: str | Path,
+    datasets: list[str] | None = None,
+    out: str | Path | None = None,
+    batch_size: int = 8,
     device: str = "auto",
+    *,
+    stride: int | None = None,
+    precision: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
 
+    `stride` defaults to half the context, so every scored token sees at least seq_len/2 tokens of context;
+    `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
     loaded = load_model(target, device)
+    seq_len = loaded.model.cfg.seq_len
+    stride = stride or max(1, seq_len // 2)
+    amp_dtype = resolve_precision(precision, next(loaded.model.parameters()).device)
     data_dir = loaded.data_dir
     manifest = read_manifest(data_dir)
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
         if name in PREPARED_SPLITS:
-            results[name] = eval_split(loaded.model, data_dir, name, batch_size)
+            results[name] = eval_split(loaded.model, data_dir, name, batch_size, stride=stride, amp_dtype=amp_dtype)
         else:
             tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
             texts = read_texts(name)
-            results[name] = eval_texts(loaded.model, texts, tokenizer, batch_size)
+            results[name] = eval_texts(loaded.model, texts, tokenizer, batch_size, stride=stride, amp_dtype=amp_dtype)
     report = {
         "checkpoint": str(loaded.checkpoint),
         "step": loaded.meta["step"],
         "tokens_trained": loaded.meta["tokens"],
         "data_dir": str(data_dir),
         "tokenizer": manifest["tokenizer"],
+        "seq_len": seq_len,
+        "stride": stride,
+        "precision": str(amp_dtype).replace("torch.", ""),
         "datasets": results,
         "overall": combine(results),
     }

@@ -37,7 +37,7 @@ def generate(
             next_id = int(logits_V.argmax())
         else:
             logits_V = logits_V / temperature
-            if top_k is not None and top_k < logits_V.numel():
+            if top_k and top_k < logits_V.numel():
                 cutoff = torch.topk(logits_V, top_k).values[-1]
                 logits_V = logits_V.masked_fill(logits_V < cutoff, float("-inf"))
             probs = torch.softmax(logits_V, dim=-1)

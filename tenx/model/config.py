@@ -5,8 +5,9 @@
 family's value, so a derisking experiment is the baseline plus one line.
 
 Size derives from one knob, `depth`: d_model = depth * aspect_ratio rounded up to a multiple of 64, heads
-of `head_dim`, MLP width 4*d (GELU) or 8/3*d (SwiGLU) rounded up to a multiple of 64, and the vocabulary
-padded to a multiple of 64, so every matmul has hardware-friendly shapes.
+of `head_dim`, MLP width 4*d (GELU) or 8/3*d rounded up to a multiple of 64 (SwiGLU), and the vocabulary
+padded to a multiple of 64, so every matmul has hardware-friendly shapes. Explicit d_model / d_ff values are
+taken as given.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ModelConfig:
     head_dim: int = field(64, help="width of one attention head")
     n_heads: int | None = field(None, help="query heads; default d_model // head_dim")
     n_kv_heads: int | None = field(None, help="key/value heads for grouped-query attention; default n_heads")
-    d_ff: int | None = field(None, help="MLP hidden width; default 4*d (gelu) or 8/3*d (swiglu), multiple of 64")
+    d_ff: int | None = field(None, help="MLP hidden width; default 4*d (gelu) or 8/3*d rounded up to 64 (swiglu)")
     vocab_size: int | None = field(None, help="vocabulary size; default: the data's tokenizer, padded to 64")
     seq_len: int = field(256, help="context length in tokens")
     norm: Literal["layernorm", "rmsnorm"] | None = field(None, help="normalisation layer")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from tenx.errors import CheckpointError
@@ -48,6 +49,15 @@ class _SafeUnpickler(pickle.Unpickler):
         if module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list", "dict"):
             return super().find_class(module, name)
         raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which tenx does not load")
+
+
+class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner that refuses pickled (non-tensor) entries; tenx keeps such state in JSON."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; tenx loads only tensors"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -96,20 +106,26 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], meta: 
     return final
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Return the checkpoint's manifest after checking every file's size and hash; else CheckpointError."""
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's JSON manifest, without hashing its files (see verify_checkpoint)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    manifest_path = path / MANIFEST
     try:
-        meta = json.loads(manifest_path.read_text())
+        meta = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing") from None
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not valid JSON ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Return the checkpoint's manifest after checking every file's size and hash; else CheckpointError."""
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
     for name, info in meta["files"].items():
         f = path / name
         if not f.is_file():
@@ -132,10 +148,11 @@ def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=reader)
+            dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
-        first_line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {first_line}") from None
+        text = str(e).strip()
+        last_line = text.splitlines()[-1] if text else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} could not be loaded into this model/optimizer: {last_line}") from None
     return meta
 
 
@@ -161,16 +178,16 @@ def latest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints, never the newest one that verifies."""
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all), and leftovers of interrupted saves.
+
+    Called right after a save, whose files were hashed as they were written, so the newest is verified.
+    """
+    for stale in [*Path(root).glob(".step_*.tmp-*"), *Path(root).glob(".step_*.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return []
-    ckpts = list_checkpoints(root)
-    newest_ok, _ = latest_verified(root)
     removed = []
-    for _, path in ckpts[:-keep_last]:
-        if path != newest_ok:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    for stale in Path(root).glob(".step_*.tmp-*"):  # left by a crash mid-save
-        shutil.rmtree(stale, ignore_errors=True)
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed

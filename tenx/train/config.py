@@ -20,7 +20,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 def resolve_config_path(name: str) -> Path:
     """A config path as given, or the name of a shipped config (`quickstart` -> configs/quickstart.toml)."""
     path = Path(name)
-    if path.exists() or path.suffix == ".toml":
+    if path.is_file() or path.suffix == ".toml":
         return path
     shipped = CONFIG_DIR / f"{name}.toml"
     if shipped.exists():

@@ -13,9 +13,14 @@ from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
 
 
-def default_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
-    """Validation, then metrics sinks, then checkpointing (so a checkpoint follows the logged step)."""
-    callbacks: list[Callback] = [Validation(cfg.train.eval_every), MetricsLogger(run_dir, cfg.log.tensorboard)]
+def default_callbacks(cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None) -> list[Callback]:
+    """Validation, then `extra` callbacks, then metrics sinks, then checkpointing.
+
+    Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
+    after its hook for that step has run.
+    """
+    callbacks: list[Callback] = [Validation(cfg.train.eval_every), *(extra or [])]
+    callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
     if cfg.log.progress:
         callbacks.append(Progress(cfg.log.print_every))
     callbacks.append(Checkpointing(cfg.checkpoint.every, cfg.checkpoint.at_end))
@@ -35,7 +40,7 @@ def train(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
         )
-    trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir) + list(extra_callbacks or []))
+    trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks))
     if resume is not None:
         path = trainer.resume(resume)
         print(f"tenx: resumed from {path} at step {trainer.step}" if path else "tenx: no checkpoint yet; starting fresh")

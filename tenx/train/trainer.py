@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 import tenx
 from tenx import config as cfglib
 from tenx.data.loader import TokenLoader, TokenStream, sequential_windows
-from tenx.errors import CheckpointError, ConfigError
+from tenx.errors import CheckpointError, ConfigError, TenxError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer, lm_loss
@@ -67,7 +67,7 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     if precision == "bf16":
         return torch.bfloat16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
@@ -96,6 +96,8 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise TenxError(f"world_size={world_size} needs an initialised process group (launch with torchrun)")
         self.rank, self.world_size = rank, world_size
         self.callbacks = list(callbacks or [])
         tc = cfg.train
@@ -180,7 +182,7 @@ class Trainer:
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
-        """Mean loss (nats/token) over the first eval_batches micro-batches of the validation split."""
+        """Mean loss (nats/token) over eval_batches micro-batches spread evenly over the validation split."""
         if self.val_stream is None:
             return None
         self.model.eval()
@@ -216,16 +218,27 @@ class Trainer:
         """Where this run's checkpoints live."""
         return self.run_dir / "checkpoints"
 
-    def save_checkpoint(self) -> Path:
-        """Save everything needed to continue this run bit for bit."""
-        tensors = {
+    def _state_tensors(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Every tensor of the training state (for DCP), and the optimizer's plain-data param groups (JSON).
+
+        Keeping non-tensor state out of DCP means loading it never needs a pickle.
+        """
+        optim = get_optimizer_state_dict(self.model, self.optimizer)
+        tensors: dict[str, Any] = {
             "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            "optim": {"state": optim["state"]},
             "rng": {"torch": torch.get_rng_state()},
         }
         if self.device.type == "cuda":
             tensors["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        return tensors, optim["param_groups"]
+
+    def save_checkpoint(self) -> Path:
+        """Save everything needed to continue this run bit for bit."""
+        tensors, param_groups = self._state_tensors()
         meta = {
+            "optim_param_groups": param_groups,
+            "data_dir": str(Path(self.cfg.data.dir).resolve()),
             "tokens": self.tokens_seen,
             "loader": self.loader.state_dict(),
             "python_rng": _python_rng_state(),
@@ -242,18 +255,15 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore model, optimizer, loader, RNGs, counters and callback state from a checkpoint."""
-        tensors = {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        if self.device.type == "cuda":
-            tensors["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        tensors, _ = self._state_tensors()
         meta = ckpt.load_checkpoint(path, tensors)
         if meta["model"] != cfglib.to_dict(self.model_cfg):
             raise CheckpointError(f"checkpoint {path} holds a different model: {meta['model']}")
         set_model_state_dict(self.model, tensors["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, tensors["optim"])
+        set_optimizer_state_dict(
+            self.model, self.optimizer,
+            {"state": tensors["optim"]["state"], "param_groups": meta["optim_param_groups"]},
+        )
         torch.set_rng_state(tensors["rng"]["torch"])
         if "cuda" in tensors["rng"]:
             torch.cuda.set_rng_state(tensors["rng"]["cuda"], self.device)
