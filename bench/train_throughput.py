@@ -64,7 +64,11 @@ class RefGPT(nn.Module):
         self.wte.weight = self.lm_head.weight
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * depth) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * depth)
+                    if name.endswith(("c_proj.weight", "mlp_proj.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -86,8 +90,12 @@ def run_reference(
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+        [
+            {"params": decay, "weight_decay": optim_cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.beta1, optim_cfg.beta2),
     )
     times, losses = [], []
     for step in range(steps):
@@ -129,8 +137,13 @@ def summarize(name: str, times: list[float], losses: list[float], fpt: int, peak
     timed = times[skip:]
     tps = tokens_per_step * len(timed) / sum(timed)
     tail = losses[-10:]
-    return {"name": name, "tokens_per_s": tps, "mfu": fpt * tps / peak, "peak_mib": peak_rss_mib(),
-            "final_loss": sum(tail) / len(tail)}
+    return {
+        "name": name,
+        "tokens_per_s": tps,
+        "mfu": fpt * tps / peak,
+        "peak_mib": peak_rss_mib(),
+        "final_loss": sum(tail) / len(tail),
+    }
 
 
 def ensure_data(data: Path) -> Path:
@@ -150,26 +163,43 @@ def main() -> None:
     args = ap.parse_args()
     data = ensure_data(Path(args.data))
 
-    run_cfg = cfglib.from_dict(RunConfig, {
-        "model": {"family": "gpt2", "depth": DEPTH, "seq_len": SEQ_LEN},
-        "data": {"dir": str(data)},
-        "optim": {"lr": 2e-3, "warmup_steps": 10, "fused": None},
-        "train": {"steps": args.steps, "micro_batch": MICRO_BATCH, "eval_every": 0},
-    })
+    run_cfg = cfglib.from_dict(
+        RunConfig,
+        {
+            "model": {"family": "gpt2", "depth": DEPTH, "seq_len": SEQ_LEN},
+            "data": {"dir": str(data)},
+            "optim": {"lr": 2e-3, "warmup_steps": 10, "fused": None},
+            "train": {"steps": args.steps, "micro_batch": MICRO_BATCH, "eval_every": 0},
+        },
+    )
     stream = TokenStream(data, "train")
     model_cfg = run_cfg.model.resolved(int(stream.manifest["tokenizer"]["vocab_size"]))
     fpt = flops_per_token(model_cfg)
-    print(f"model: gpt2 depth {DEPTH}, d_model {model_cfg.d_model}, seq {SEQ_LEN}, batch {MICRO_BATCH}; "
-          f"{fpt / 1e6:.1f} MFLOP/token; threads {torch.get_num_threads()}")
-    print(f"measured matmul peak: fp32 {peak_flops(torch.device('cpu'), torch.float32) / 1e9:.0f} GFLOP/s, "
-          f"bf16 {peak_flops(torch.device('cpu'), torch.bfloat16) / 1e9:.0f} GFLOP/s")
+    print(
+        f"model: gpt2 depth {DEPTH}, d_model {model_cfg.d_model}, seq {SEQ_LEN}, batch {MICRO_BATCH}; "
+        f"{fpt / 1e6:.1f} MFLOP/token; threads {torch.get_num_threads()}"
+    )
+    print(
+        f"measured matmul peak: fp32 {peak_flops(torch.device('cpu'), torch.float32) / 1e9:.0f} GFLOP/s, "
+        f"bf16 {peak_flops(torch.device('cpu'), torch.bfloat16) / 1e9:.0f} GFLOP/s"
+    )
 
     results = []
     seed_everything(0)
     reset_peak_rss()
-    times, losses = run_reference(TokenLoader(stream, SEQ_LEN, MICRO_BATCH, seed=0), model_cfg, run_cfg.optim, args.steps)
-    results.append(summarize("reference (nanoGPT-style, fp32)", times, losses, fpt,
-                             peak_flops(torch.device("cpu"), torch.float32), args.skip))
+    times, losses = run_reference(
+        TokenLoader(stream, SEQ_LEN, MICRO_BATCH, seed=0), model_cfg, run_cfg.optim, args.steps
+    )
+    results.append(
+        summarize(
+            "reference (nanoGPT-style, fp32)",
+            times,
+            losses,
+            fpt,
+            peak_flops(torch.device("cpu"), torch.float32),
+            args.skip,
+        )
+    )
 
     variants = [("tenx fp32", "fp32", False), ("tenx default (auto)", "auto", False)]
     if args.compile:
@@ -177,8 +207,13 @@ def main() -> None:
     for name, precision, compile_ in variants:
         gc.collect()
         reset_peak_rss()
-        cfg = cfglib.from_dict(RunConfig, {**cfglib.to_dict(run_cfg), "train": {
-            **cfglib.to_dict(run_cfg.train), "precision": precision, "compile": compile_}})
+        cfg = cfglib.from_dict(
+            RunConfig,
+            {
+                **cfglib.to_dict(run_cfg),
+                "train": {**cfglib.to_dict(run_cfg.train), "precision": precision, "compile": compile_},
+            },
+        )
         trainer = Trainer(cfg, Path("/tmp/tenx-bench-run"))
         times, losses = [], []
         for _ in range(args.steps):
@@ -187,19 +222,33 @@ def main() -> None:
             losses.append(m["loss"])
         dtype = resolve_precision(precision, trainer.device)
         label = f"{name} [{str(dtype).replace('torch.', '')}]"
-        results.append(summarize(label, times, losses, fpt, peak_flops(trainer.device, dtype),
-                                 max(args.skip, 3 if compile_ else 0)))
+        results.append(
+            summarize(
+                label,
+                times,
+                losses,
+                fpt,
+                peak_flops(trainer.device, dtype),
+                max(args.skip, 3 if compile_ else 0),
+            )
+        )
         del trainer
 
     ref = results[0]
     print(f"\n{'run':44} {'tokens/s':>9} {'MFU':>6} {'peak MiB':>9} {'loss@end':>9} {'ratio':>6}")
     for r in results:
-        print(f"{r['name']:44} {r['tokens_per_s']:9,.0f} {100 * r['mfu']:5.1f}% {r['peak_mib']:9,.0f} "
-              f"{r['final_loss']:9.4f} {r['tokens_per_s'] / ref['tokens_per_s']:6.2f}")
-    print(f"\nratio vs reference at equal precision (fp32): {results[1]['tokens_per_s'] / ref['tokens_per_s']:.2f}x")
-    print(f"ratio vs reference with tenx's default CPU precision: "
-          f"{results[2]['tokens_per_s'] / ref['tokens_per_s']:.2f}x, loss {results[2]['final_loss']:.4f} "
-          f"vs {ref['final_loss']:.4f} after {args.steps * MICRO_BATCH * SEQ_LEN:,} tokens")
+        print(
+            f"{r['name']:44} {r['tokens_per_s']:9,.0f} {100 * r['mfu']:5.1f}% {r['peak_mib']:9,.0f} "
+            f"{r['final_loss']:9.4f} {r['tokens_per_s'] / ref['tokens_per_s']:6.2f}"
+        )
+    print(
+        f"\nratio vs reference at equal precision (fp32): {results[1]['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+    )
+    print(
+        f"ratio vs reference with tenx's default CPU precision: "
+        f"{results[2]['tokens_per_s'] / ref['tokens_per_s']:.2f}x, loss {results[2]['final_loss']:.4f} "
+        f"vs {ref['final_loss']:.4f} after {args.steps * MICRO_BATCH * SEQ_LEN:,} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -9,14 +9,23 @@ from pathlib import Path
 
 from tenx.errors import TenxError
 
+
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from tenx.data.prepare import PrepareConfig, format_summary, prepare
 
     cfg = PrepareConfig(
-        source=args.source, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-        val_ratio=args.val_ratio, heldout_ratio=args.heldout_ratio, seed=args.seed,
-        patterns=args.pattern or None, text_field=args.text_field, column=args.column,
-        shard_tokens=args.shard_tokens, max_documents=args.max_documents,
+        source=args.source,
+        out=args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_ratio=args.val_ratio,
+        heldout_ratio=args.heldout_ratio,
+        seed=args.seed,
+        patterns=args.pattern or None,
+        text_field=args.text_field,
+        column=args.column,
+        shard_tokens=args.shard_tokens,
+        max_documents=args.max_documents,
     )
     manifest = prepare(cfg, progress=not args.quiet)
     print(format_summary(manifest, args.out))
@@ -41,7 +50,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from tenx.eval.run import evaluate
 
     report = evaluate(
-        args.target, args.split, args.out, args.batch_size, args.device, stride=args.stride, precision=args.precision
+        args.target,
+        args.split,
+        args.out,
+        args.batch_size,
+        args.device,
+        stride=args.stride,
+        precision=args.precision,
     )
     for name, r in report["datasets"].items():
         if not r["tokens"]:
@@ -64,8 +79,14 @@ def cmd_sample(args: argparse.Namespace) -> None:
     prompt = tokenizer.encode(args.prompt) if args.prompt else []
     prompt = [tokenizer.eot_id] + prompt
     new = generate(
-        loaded.model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        stop_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size, seed=args.seed,
+        loaded.model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop_id=tokenizer.eot_id,
+        vocab_size=tokenizer.vocab_size,
+        seed=args.seed,
     )
     print(args.prompt + tokenizer.decode(new))
 
@@ -83,14 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare corpora").add_subparsers(dest="data_command", required=True)
     dp = data.add_parser("prepare", help="corpus -> tokenizer -> shards + manifest, split by document")
-    dp.add_argument("--source", required=True, help="DIR | FILE.txt | FILE.jsonl | FILE.parquet | hf:NAME[:SPLIT] | stdlib")
+    dp.add_argument(
+        "--source",
+        required=True,
+        help="DIR | FILE.txt | FILE.jsonl | FILE.parquet | hf:NAME[:SPLIT] | stdlib",
+    )
     dp.add_argument("--out", required=True, help="output data directory")
     dp.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     dp.add_argument("--vocab-size", type=int, default=8192)
     dp.add_argument("--val-ratio", type=float, default=0.02)
     dp.add_argument("--heldout-ratio", type=float, default=0.05)
     dp.add_argument("--seed", type=int, default=0, help="salt of the document-hash split")
-    dp.add_argument("--pattern", action="append", help="glob for directory sources (repeatable), e.g. '**/*.py'")
+    dp.add_argument(
+        "--pattern", action="append", help="glob for directory sources (repeatable), e.g. '**/*.py'"
+    )
     dp.add_argument("--text-field", default="text", help="JSONL field holding the text")
     dp.add_argument("--column", default="text", help="parquet / hf column holding the text")
     dp.add_argument("--shard-tokens", type=int, default=1 << 26, help="maximum tokens per shard file")
@@ -99,20 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
     dp.set_defaults(func=cmd_data_prepare)
 
     tp = sub.add_parser("train", help="train a model from a TOML config")
-    tp.add_argument("--config", required=True, help="a .toml path or a shipped config name (configs/NAME.toml)")
-    tp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override (repeatable)")
+    tp.add_argument(
+        "--config", required=True, help="a .toml path or a shipped config name (configs/NAME.toml)"
+    )
+    tp.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override (repeatable)"
+    )
     tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
     tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
     tp.set_defaults(func=cmd_train)
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")
-    ep.add_argument("--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)")
+    ep.add_argument(
+        "--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)"
+    )
     ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
     ep.add_argument("--batch-size", type=int, default=8)
     ep.add_argument("--device", default="auto")
-    ep.add_argument("--stride", type=int, default=None,
-                    help="tokens each scoring window moves (default seq_len/2; seq_len: no overlap)")
+    ep.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="tokens each scoring window moves (default seq_len/2; seq_len: no overlap)",
+    )
     ep.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     ep.set_defaults(func=cmd_eval)
 

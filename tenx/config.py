@@ -24,7 +24,9 @@ else:  # pragma: no cover
 T = TypeVar("T")
 
 
-def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING) -> Any:
+def field(
+    default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING
+) -> Any:
     """A dataclass field with a help string (shown in errors and docs)."""
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={"help": help})
@@ -83,7 +85,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    elif dataclasses.is_dataclass(tp):
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return from_dict(tp, value, where)
     else:  # pragma: no cover - a programming error in a Config definition
@@ -100,7 +102,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         path = f"{where}.{key}" if where else key
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key '{path}'; allowed keys{' in [' + where + ']' if where else ''}: {allowed}")
+            raise ConfigError(
+                f"unknown key '{path}'; allowed keys{' in [' + where + ']' if where else ''}: {allowed}"
+            )
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
@@ -194,8 +198,10 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, f"{prefix}{f.name}."))  # type: ignore[arg-type]
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
         )
         rows.append((prefix + f.name, _type_name(tp), repr(default), f.metadata.get("help", "")))
     return rows

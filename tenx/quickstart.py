@@ -14,7 +14,7 @@ from typing import Any
 from tenx.data.manifest import read_manifest, split_documents_text
 from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
-from tenx.eval.compression import xz_bits_per_byte
+from tenx.eval.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.eval.run import evaluate
 from tenx.monitor.plots import plot_loss_curve
 from tenx.train import checkpoint as ckpt
@@ -64,13 +64,15 @@ def quickstart(
     print("[4/4] compressing the same held-out bytes with xz -9e")
     manifest = read_manifest(data_dir)
     tok = load_tokenizer(data_dir, manifest["tokenizer"])
-    heldout_bytes = "".join(split_documents_text(data_dir, manifest, "heldout", tok)).encode("utf-8")
-    xz_bpb = xz_bits_per_byte(heldout_bytes)
+    documents = [text.encode("utf-8") for text in split_documents_text(data_dir, manifest, "heldout", tok)]
+    xz_bpb = xz_bits_per_byte(b"".join(documents))
+    xz_doc_bpb = xz_bits_per_byte_per_document(documents)
     curve = plot_loss_curve(run_dir / "metrics.jsonl", out / "loss_curve.png", f"tenx quickstart ({source})")
 
     summary = {
         "heldout_bits_per_byte": heldout["bits_per_byte"],
         "xz_bits_per_byte": xz_bpb,
+        "xz_per_document_bits_per_byte": xz_doc_bpb,
         "heldout_loss_nats_per_token": heldout["loss"],
         "heldout_bytes": heldout["bytes"],
         "heldout_documents": manifest["splits"]["heldout"]["num_documents"],
@@ -84,7 +86,8 @@ def quickstart(
     }
     atomic_write_json(out / "summary.json", summary)
     print(
-        f"\nheld-out bits per byte: tenx {summary['heldout_bits_per_byte']:.4f} vs xz -9e {xz_bpb:.4f} "
+        f"\nheld-out bits per byte: tenx {summary['heldout_bits_per_byte']:.4f} | xz -9e {xz_bpb:.4f} over the "
+        f"concatenated files, {xz_doc_bpb:.4f} file by file\n"
         f"({heldout['bytes']:,} bytes in {summary['heldout_documents']} documents never trained on)\n"
         f"run directory: {run_dir}\nmetrics: {summary['metrics']}\nloss curve: {curve}\n"
         f"summary: {out / 'summary.json'}  ({summary['wall_seconds']:.0f} s)"

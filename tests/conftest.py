@@ -33,7 +33,9 @@ def tiny_data(corpus_dir, tmp_path_factory) -> Path:
     """The tiny corpus prepared with the byte tokenizer (10% validation, 10% held out)."""
     out = tmp_path_factory.mktemp("data") / "bytes"
     prepare(
-        PrepareConfig(source=str(corpus_dir), out=str(out), tokenizer="bytes", val_ratio=0.1, heldout_ratio=0.1),
+        PrepareConfig(
+            source=str(corpus_dir), out=str(out), tokenizer="bytes", val_ratio=0.1, heldout_ratio=0.1
+        ),
         progress=False,
     )
     return out
@@ -44,7 +46,9 @@ def tiny_config():
     """A function: configs/tiny.toml pointed at a data directory, with overrides."""
 
     def make(data_dir: Path, *overrides: str):
-        return load_run_config(CONFIG_DIR / "tiny.toml", [f'data.dir="{data_dir}"', "log.progress=false", *overrides])
+        return load_run_config(
+            CONFIG_DIR / "tiny.toml", [f'data.dir="{data_dir}"', "log.progress=false", *overrides]
+        )
 
     return make
 

@@ -14,7 +14,10 @@ from tenx.utils.io import file_xxhash
 
 def state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}, "n": {"t": torch.tensor(seed)}}
+    return {
+        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
+        "n": {"t": torch.tensor(seed)},
+    }
 
 
 def test_round_trip_is_exact(tmp_path):

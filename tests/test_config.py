@@ -46,7 +46,9 @@ def test_unknown_section(tmp_path):
 def test_wrong_type_names_key_and_expected_type(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.steps: expected int, got 'ten'"):
         load_run_config(write(tmp_path, '[train]\nsteps = "ten"\n'))
-    with pytest.raises(ConfigError, match=r"model\.norm: 'batchnorm' is not allowed; choose one of 'layernorm', 'rmsnorm'"):
+    with pytest.raises(
+        ConfigError, match=r"model\.norm: 'batchnorm' is not allowed; choose one of 'layernorm', 'rmsnorm'"
+    ):
         load_run_config(write(tmp_path, '[model]\nnorm = "batchnorm"\n[train]\nsteps = 1\n'))
 
 
@@ -60,8 +62,12 @@ def test_validate_names_field(tmp_path):
 
 
 def test_overrides_typed_and_dotted():
-    cfg = load_run_config(SHIPPED[0], ["optim.lr=1e-4", "model.family=llama", 'data.dir="x/y"', "train.compile=true"])
-    assert cfg.optim.lr == 1e-4 and cfg.model.family == "llama" and cfg.data.dir == "x/y" and cfg.train.compile
+    cfg = load_run_config(
+        SHIPPED[0], ["optim.lr=1e-4", "model.family=llama", 'data.dir="x/y"', "train.compile=true"]
+    )
+    assert (
+        cfg.optim.lr == 1e-4 and cfg.model.family == "llama" and cfg.data.dir == "x/y" and cfg.train.compile
+    )
     cfg = load_run_config(SHIPPED[0], ["data.dir=bare/string"])
     assert cfg.data.dir == "bare/string"
     with pytest.raises(ConfigError, match="must look like section.key=value"):

@@ -12,7 +12,9 @@ from tenx.eval.compression import xz_bits_per_byte
 from tenx.model import ModelConfig, Transformer
 
 
-@pytest.mark.parametrize("n,T,stride", [(10, 4, 4), (10, 4, 2), (3, 4, 4), (9, 4, 1), (8, 4, 4), (1000, 64, 32)])
+@pytest.mark.parametrize(
+    "n,T,stride", [(10, 4, 4), (10, 4, 2), (3, 4, 4), (9, 4, 1), (8, 4, 4), (1000, 64, 32)]
+)
 def test_window_plan_scores_each_target_once(n, T, stride):
     length, plan = window_plan(n, T, stride)
     covered = [j for start, first in plan for j in range(start + first, start + length)]

@@ -94,7 +94,9 @@ def test_validation_windows_spread_over_the_split(tiny_data):
 
 def test_too_little_data_is_a_clear_error(tiny_data):
     stream = TokenStream(tiny_data, "train", max_tokens=10)
-    with pytest.raises(DataError, match="fewer than one sequence of 33; prepare more data or lower model.seq_len"):
+    with pytest.raises(
+        DataError, match="fewer than one sequence of 33; prepare more data or lower model.seq_len"
+    ):
         TokenLoader(stream, 32, 1)
 
 

@@ -28,7 +28,9 @@ def test_hand_count_gpt2_params_and_flops():
 
 
 def test_hand_count_llama_gqa():
-    cfg = ModelConfig(family="llama", depth=1, d_model=128, head_dim=32, n_kv_heads=2, seq_len=16).resolved(300)
+    cfg = ModelConfig(family="llama", depth=1, d_model=128, head_dim=32, n_kv_heads=2, seq_len=16).resolved(
+        300
+    )
     # d_ff = round_up(8*128/3 = 341) = 384; no biases; RMSNorm weights only; untied head.
     assert cfg.d_ff == 384 and cfg.vocab_size == 320
     block = 128 + 128 * 128 + 128 * 2 * 2 * 32 + 128 * 128 + 128 * 2 * 384 + 384 * 128 + 128
@@ -42,8 +44,14 @@ def test_hand_count_llama_gqa():
 )
 def test_variants_count_and_backward(family, qk_norm, n_kv_heads, tie):
     cfg = ModelConfig(
-        family=family, depth=2, head_dim=32, qk_norm=qk_norm, n_kv_heads=n_kv_heads, tie_embeddings=tie,
-        seq_len=16, z_loss=1e-4,
+        family=family,
+        depth=2,
+        head_dim=32,
+        qk_norm=qk_norm,
+        n_kv_heads=n_kv_heads,
+        tie_embeddings=tie,
+        seq_len=16,
+        z_loss=1e-4,
     ).resolved(100)
     model = Transformer(cfg)
     assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total

@@ -10,12 +10,27 @@ from tenx.quickstart import quickstart
 
 def test_quickstart_pipeline_and_reuse(corpus_dir, tmp_path, capsys):
     out = tmp_path / "qs"
-    overrides = ["model.depth=1", "model.seq_len=64", "train.micro_batch=4", "train.eval_every=0",
-                 "checkpoint.every=0", "log.progress=false", "log.tensorboard=false", "train.precision=fp32"]
+    overrides = [
+        "model.depth=1",
+        "model.seq_len=64",
+        "train.micro_batch=4",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "train.precision=fp32",
+    ]
     summary = quickstart(out, steps=8, source=str(corpus_dir), tokenizer="bytes", overrides=overrides)
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["heldout_bits_per_byte"] == summary["heldout_bits_per_byte"]
-    for key in ("heldout_bits_per_byte", "xz_bits_per_byte", "wall_seconds", "run_dir", "metrics", "loss_curve"):
+    for key in (
+        "heldout_bits_per_byte",
+        "xz_bits_per_byte",
+        "wall_seconds",
+        "run_dir",
+        "metrics",
+        "loss_curve",
+    ):
         assert key in on_disk
     assert 1.0 < on_disk["xz_bits_per_byte"] < 3.0  # Python source under xz -9e
     assert 0 < on_disk["heldout_bits_per_byte"] < 8.5

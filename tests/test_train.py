@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -46,18 +45,34 @@ def _cli(*args: str) -> list[str]:
 
 def test_exact_resume_after_sigkill(tiny_data, tmp_path):
     """40 steps straight == 20 steps, SIGKILL, resume to 40: bitwise-identical losses at steps 21-40."""
-    common = ["--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--set", "train.steps=40",
-              "--set", "checkpoint.every=20", "--set", "train.threads=1"]
+    common = [
+        "--config",
+        "tiny",
+        "--set",
+        f'data.dir="{tiny_data}"',
+        "--set",
+        "train.steps=40",
+        "--set",
+        "checkpoint.every=20",
+        "--set",
+        "train.threads=1",
+    ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(_cli("train", *common, "--run-dir", str(straight)), check=True, capture_output=True, timeout=240)
+    subprocess.run(
+        _cli("train", *common, "--run-dir", str(straight)), check=True, capture_output=True, timeout=240
+    )
 
-    proc = subprocess.Popen(_cli("train", *common, "--run-dir", str(killed)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli("train", *common, "--run-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline:
-        if (killed / "checkpoints" / "step_00000020").exists() and metrics.exists() and \
-                len(metrics.read_text().splitlines()) >= 22:
+        if (
+            (killed / "checkpoints" / "step_00000020").exists()
+            and metrics.exists()
+            and len(metrics.read_text().splitlines()) >= 22
+        ):
             break
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
@@ -66,8 +81,12 @@ def test_exact_resume_after_sigkill(tiny_data, tmp_path):
     steps_before = len(read_metrics(metrics))
     assert 21 < steps_before < 40
 
-    subprocess.run(_cli("train", *common, "--run-dir", str(killed), "--resume", "auto"), check=True,
-                   capture_output=True, timeout=240)
+    subprocess.run(
+        _cli("train", *common, "--run-dir", str(killed), "--resume", "auto"),
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(metrics)
     assert [r["step"] for r in b] == list(range(1, 41))
     assert [r["loss"] for r in a[20:]] == [r["loss"] for r in b[20:]]
@@ -75,10 +94,16 @@ def test_exact_resume_after_sigkill(tiny_data, tmp_path):
 
 
 def test_gradient_accumulation_matches_bigger_batch(tiny_config, tiny_data, tmp_path):
-    big = train(tiny_config(tiny_data, "train.steps=5", "train.micro_batch=8", "checkpoint.at_end=false"),
-                tmp_path / "a")[0]
-    acc = train(tiny_config(tiny_data, "train.steps=5", "train.micro_batch=4", "train.grad_accum=2",
-                            "checkpoint.at_end=false"), tmp_path / "b")[0]
+    big = train(
+        tiny_config(tiny_data, "train.steps=5", "train.micro_batch=8", "checkpoint.at_end=false"),
+        tmp_path / "a",
+    )[0]
+    acc = train(
+        tiny_config(
+            tiny_data, "train.steps=5", "train.micro_batch=4", "train.grad_accum=2", "checkpoint.at_end=false"
+        ),
+        tmp_path / "b",
+    )[0]
     la = [r["loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
     lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
     assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
@@ -96,8 +121,11 @@ def test_resume_skips_a_truncated_checkpoint(tiny_config, tiny_data, tmp_path):
         ckpt.verify_checkpoint(newest)
     with pytest.raises(CheckpointError, match="truncated"):  # named explicitly: an error, not a fallback
         train(tiny_config(tiny_data, "train.steps=20"), tmp_path / "other", resume=str(newest))
-    trainer, _ = train(tiny_config(tiny_data, "train.steps=20", "checkpoint.every=10", "checkpoint.at_end=false"),
-                       run, resume="auto")
+    trainer, _ = train(
+        tiny_config(tiny_data, "train.steps=20", "checkpoint.every=10", "checkpoint.at_end=false"),
+        run,
+        resume="auto",
+    )
     assert trainer.resumed_from == run / "checkpoints" / "step_00000010"
     assert ckpt.verify_checkpoint(newest)["step"] == 20  # re-saved whole by the resumed run
 
@@ -112,8 +140,17 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_config, tiny_data, tmp_
 
 
 def test_missing_data_dir_is_a_clear_cli_error(tmp_path, capsys):
-    rc = main(["train", "--config", "tiny", "--set", f'data.dir="{tmp_path / "nowhere"}"', "--run-dir",
-               str(tmp_path / "run")])
+    rc = main(
+        [
+            "train",
+            "--config",
+            "tiny",
+            "--set",
+            f'data.dir="{tmp_path / "nowhere"}"',
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "nowhere" in err and "tenx data prepare" in err
     assert not (tmp_path / "run").exists()

@@ -189,6 +189,8 @@ def sequential_windows(stream: TokenStream, seq_len: int, batch_size: int, max_b
     if max_batches is not None and max_batches * batch_size < n:
         windows = np.unique(np.linspace(0, n - 1, max_batches * batch_size).round().astype(np.int64))
     for first in range(0, len(windows), batch_size):
-        rows = np.stack([stream.read(int(w) * seq_len, seq_len + 1) for w in windows[first : first + batch_size]])
+        rows = np.stack(
+            [stream.read(int(w) * seq_len, seq_len + 1) for w in windows[first : first + batch_size]]
+        )
         tokens = torch.from_numpy(rows)
         yield tokens[:, :-1], tokens[:, 1:]

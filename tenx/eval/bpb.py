@@ -39,7 +39,12 @@ def window_plan(n_targets: int, seq_len: int, stride: int) -> tuple[int, list[tu
 
 @torch.no_grad()
 def stream_nll(
-    model: Transformer, tokens: np.ndarray, eot_id: int, batch_size: int = 8, *, stride: int | None = None,
+    model: Transformer,
+    tokens: np.ndarray,
+    eot_id: int,
+    batch_size: int = 8,
+    *,
+    stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
 ) -> tuple[float, int]:
     """(total negative log-likelihood in nats, tokens scored) of `tokens` under `model`.
@@ -85,7 +90,12 @@ def summarize(nll: float, tokens: int, num_bytes: int) -> dict[str, Any]:
 
 
 def eval_split(
-    model: Transformer, data_dir: str | Path, split: str, batch_size: int = 8, *, stride: int | None = None,
+    model: Transformer,
+    data_dir: str | Path,
+    split: str,
+    batch_size: int = 8,
+    *,
+    stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Bits per byte of `model` on a prepared split (checksums verified first)."""
@@ -98,7 +108,12 @@ def eval_split(
 
 
 def eval_texts(
-    model: Transformer, texts: list[str], tokenizer: Tokenizer, batch_size: int = 8, *, stride: int | None = None,
+    model: Transformer,
+    texts: list[str],
+    tokenizer: Tokenizer,
+    batch_size: int = 8,
+    *,
+    stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Bits per byte of `model` on arbitrary documents, tokenized with the run's tokenizer."""

@@ -56,4 +56,3 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
     set_model_state_dict(model, tensors["model"])
     model.eval()
     return LoadedModel(model, path, meta, run_dir)
-

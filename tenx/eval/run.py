@@ -10,9 +10,9 @@ from tenx.data.prepare import CleaningStats, clean_text
 from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError
-from tenx.train.trainer import resolve_precision
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
+from tenx.train.trainer import resolve_precision
 from tenx.utils.io import atomic_write_json
 
 PREPARED_SPLITS = ("train", "val", "heldout")
@@ -52,11 +52,15 @@ def evaluate(
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
         if name in PREPARED_SPLITS:
-            results[name] = eval_split(loaded.model, data_dir, name, batch_size, stride=stride, amp_dtype=amp_dtype)
+            results[name] = eval_split(
+                loaded.model, data_dir, name, batch_size, stride=stride, amp_dtype=amp_dtype
+            )
         else:
             tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
             texts = read_texts(name)
-            results[name] = eval_texts(loaded.model, texts, tokenizer, batch_size, stride=stride, amp_dtype=amp_dtype)
+            results[name] = eval_texts(
+                loaded.model, texts, tokenizer, batch_size, stride=stride, amp_dtype=amp_dtype
+            )
     report = {
         "checkpoint": str(loaded.checkpoint),
         "step": loaded.meta["step"],

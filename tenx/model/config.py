@@ -43,7 +43,9 @@ class ModelConfig:
     head_dim: int = field(64, help="width of one attention head")
     n_heads: int | None = field(None, help="query heads; default d_model // head_dim")
     n_kv_heads: int | None = field(None, help="key/value heads for grouped-query attention; default n_heads")
-    d_ff: int | None = field(None, help="MLP hidden width; default 4*d (gelu) or 8/3*d rounded up to 64 (swiglu)")
+    d_ff: int | None = field(
+        None, help="MLP hidden width; default 4*d (gelu) or 8/3*d rounded up to 64 (swiglu)"
+    )
     vocab_size: int | None = field(None, help="vocabulary size; default: the data's tokenizer, padded to 64")
     seq_len: int = field(256, help="context length in tokens")
     norm: Literal["layernorm", "rmsnorm"] | None = field(None, help="normalisation layer")
@@ -82,7 +84,9 @@ class ModelConfig:
                 f"model.n_kv_heads: n_heads={r.n_heads} must be a multiple of n_kv_heads={r.n_kv_heads}"
             )
         if (r.d_model // r.n_heads) % 2:
-            raise ConfigError(f"model.n_heads: head width d_model/n_heads={r.d_model // r.n_heads} must be even")
+            raise ConfigError(
+                f"model.n_heads: head width d_model/n_heads={r.d_model // r.n_heads} must be even"
+            )
 
     def resolved(self, vocab_size: int | None = None) -> ModelConfig:
         """A copy with every derived field filled in; `vocab_size` is the data's (unpadded) vocabulary."""

@@ -59,7 +59,9 @@ def matmul_params(cfg: ModelConfig) -> int:
     assert d and V and cfg.n_heads and cfg.n_kv_heads and cfg.d_ff
     E = d // cfg.n_heads
     up_width = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
-    per_block = d * cfg.n_heads * E + d * 2 * cfg.n_kv_heads * E + cfg.n_heads * E * d + d * up_width + cfg.d_ff * d
+    per_block = (
+        d * cfg.n_heads * E + d * 2 * cfg.n_kv_heads * E + cfg.n_heads * E * d + d * up_width + cfg.d_ff * d
+    )
     return cfg.depth * per_block + d * V
 
 

@@ -62,7 +62,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_heads
         bias = bool(cfg.bias)
         # One fused projection for queries, keys and values: a single larger matmul is faster.
-        self.qkv_proj = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias)
+        self.qkv_proj = nn.Linear(
+            cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias
+        )
         self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
@@ -147,7 +149,11 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # norms and biases keep their constructor values (ones / zeros)
-            scale = 1.0 / math.sqrt(2 * self.cfg.depth) if name.endswith(("out_proj.weight", "down_proj.weight")) else 1.0
+            scale = (
+                1.0 / math.sqrt(2 * self.cfg.depth)
+                if name.endswith(("out_proj.weight", "down_proj.weight"))
+                else 1.0
+            )
             nn.init.normal_(p, mean=0.0, std=std * scale)
         for m in self.modules():
             if isinstance(m, nn.Linear) and m.bias is not None:

@@ -57,7 +57,9 @@ class MetricsLogger(Callback):
         if self._writer is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._writer.add_scalar(f"train/{key}" if not key.startswith("val") else key, value, metrics["step"])
+                    self._writer.add_scalar(
+                        f"train/{key}" if not key.startswith("val") else key, value, metrics["step"]
+                    )
 
     def on_train_end(self, trainer: Trainer) -> None:
         if self._file is not None:
@@ -102,7 +104,9 @@ class Progress(Callback):
             elapsed = time.perf_counter() - self._t0
             done = step - self._start_step
             eta = elapsed / done * (trainer.total_steps - step) if done else 0.0
-            print(f"step {step}/{trainer.total_steps} | {text} | eta {_eta(eta)}", file=sys.stderr, flush=True)
+            print(
+                f"step {step}/{trainer.total_steps} | {text} | eta {_eta(eta)}", file=sys.stderr, flush=True
+            )
 
     def on_train_end(self, trainer: Trainer) -> None:
         if self._bar is not None:

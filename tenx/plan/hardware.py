@@ -60,7 +60,9 @@ def _cache_path() -> Path:
     return Path(root) / "tenx" / "peak_flops.json"
 
 
-def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
+def measure_matmul_flops(
+    dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5
+) -> float:
     """Best achieved FLOP/s of an n x n x n matmul in `dtype` on `device` over about `seconds`."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

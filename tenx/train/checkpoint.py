@@ -34,11 +34,15 @@ FORMAT = "tenx-ckpt/1"
 MANIFEST = "tenx_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
+
 class _SafeUnpickler(pickle.Unpickler):
     """Admits only DCP's metadata record types and plain torch descriptors (dtype, layout, Size)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or module in ("collections", "torch.serialization"):
+        if module.startswith("torch.distributed.checkpoint.") or module in (
+            "collections",
+            "torch.serialization",
+        ):
             return super().find_class(module, name)
         if module == "torch":
             obj = getattr(torch, name, None)
@@ -91,7 +95,9 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], meta: 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
     files = {
-        p.name: {"bytes": p.stat().st_size, "xxhash": file_xxhash(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+        p.name: {"bytes": p.stat().st_size, "xxhash": file_xxhash(p)}
+        for p in sorted(tmp.iterdir())
+        if p.is_file()
     }
     atomic_write_json(tmp / MANIFEST, {**meta, "format": FORMAT, "step": step, "files": files})
     fsync_dir(tmp)
@@ -152,7 +158,9 @@ def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         text = str(e).strip()
         last_line = text.splitlines()[-1] if text else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} could not be loaded into this model/optimizer: {last_line}") from None
+        raise CheckpointError(
+            f"checkpoint {path} could not be loaded into this model/optimizer: {last_line}"
+        ) from None
     return meta
 
 

@@ -13,7 +13,6 @@ from tenx.errors import ConfigError, TenxError
 from tenx.model.config import ModelConfig
 from tenx.train.optim import OptimConfig
 
-
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -26,7 +25,9 @@ def resolve_config_path(name: str) -> Path:
     if shipped.exists():
         return shipped
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml")) if CONFIG_DIR.is_dir() else []
-    raise TenxError(f"config {name!r} not found; give a .toml path or one of: {', '.join(names) or '(none shipped)'}")
+    raise TenxError(
+        f"config {name!r} not found; give a .toml path or one of: {', '.join(names) or '(none shipped)'}"
+    )
 
 
 @dataclass

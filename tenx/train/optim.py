@@ -24,7 +24,9 @@ class OptimConfig:
     beta2: float = field(0.95, help="AdamW beta2")
     eps: float = field(1e-8, help="AdamW epsilon")
     grad_clip: float = field(1.0, help="clip the global gradient norm to this value (0 disables)")
-    schedule: Literal["cosine", "wsd", "constant"] = field("cosine", help="learning-rate schedule after warmup")
+    schedule: Literal["cosine", "wsd", "constant"] = field(
+        "cosine", help="learning-rate schedule after warmup"
+    )
     warmup_steps: int = field(50, help="linear warmup steps from 0 to the peak")
     decay_fraction: float = field(0.2, help="wsd only: fraction of the run spent decaying at the end")
     fused: bool | None = field(None, help="fused AdamW kernel; default: use it when the device supports it")
@@ -65,7 +67,8 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; fused when the device supports it."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

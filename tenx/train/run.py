@@ -43,6 +43,10 @@ def train(
     trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks))
     if resume is not None:
         path = trainer.resume(resume)
-        print(f"tenx: resumed from {path} at step {trainer.step}" if path else "tenx: no checkpoint yet; starting fresh")
+        print(
+            f"tenx: resumed from {path} at step {trainer.step}"
+            if path
+            else "tenx: no checkpoint yet; starting fresh"
+        )
     metrics = trainer.fit()
     return trainer, metrics

@@ -75,7 +75,11 @@ def git_commit() -> str | None:
     """The commit of the tenx source tree, when it is a git checkout."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(tenx.__file__).parent, capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(tenx.__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
@@ -97,7 +101,9 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise TenxError(f"world_size={world_size} needs an initialised process group (launch with torchrun)")
+            raise TenxError(
+                f"world_size={world_size} needs an initialised process group (launch with torchrun)"
+            )
         self.rank, self.world_size = rank, world_size
         self.callbacks = list(callbacks or [])
         tc = cfg.train
@@ -107,27 +113,38 @@ class Trainer:
         self.amp_dtype = resolve_precision(tc.precision, self.device)
         seed_everything(tc.seed)
 
-        self.train_stream = TokenStream(cfg.data.dir, cfg.data.train_split, cfg.data.verify, cfg.data.max_unique_tokens)
+        self.train_stream = TokenStream(
+            cfg.data.dir, cfg.data.train_split, cfg.data.verify, cfg.data.max_unique_tokens
+        )
         self.data_manifest = self.train_stream.manifest
         vocab = int(self.data_manifest["tokenizer"]["vocab_size"])
         self.model_cfg: ModelConfig = cfg.model.resolved(vocab)
         if self.model_cfg.vocab_size is not None and self.model_cfg.vocab_size < vocab:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary {vocab}")
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary {vocab}"
+            )
         self.val_stream = (
             TokenStream(cfg.data.dir, cfg.data.val_split, cfg.data.verify)
-            if self.data_manifest["splits"].get(cfg.data.val_split, {}).get("tokens", 0) > self.model_cfg.seq_len
+            if self.data_manifest["splits"].get(cfg.data.val_split, {}).get("tokens", 0)
+            > self.model_cfg.seq_len
             else None
         )
         self.loader = TokenLoader(
-            self.train_stream, self.model_cfg.seq_len, tc.micro_batch,
-            seed=tc.seed, rank=rank, world_size=world_size,
+            self.train_stream,
+            self.model_cfg.seq_len,
+            tc.micro_batch,
+            seed=tc.seed,
+            rank=rank,
+            world_size=world_size,
         )
         self.model = Transformer(self.model_cfg).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.forward = torch.compile(self.model) if tc.compile else self.model
 
         self.tokens_per_step = tc.micro_batch * tc.grad_accum * world_size * self.model_cfg.seq_len
-        self.total_steps = tc.steps if tc.steps is not None else math.ceil((tc.tokens or 0) / self.tokens_per_step)
+        self.total_steps = (
+            tc.steps if tc.steps is not None else math.ceil((tc.tokens or 0) / self.tokens_per_step)
+        )
         self.params = count_params(self.model_cfg)
         self.flops_per_token = flops_per_token(self.model_cfg)
         self.peak_flops = peak_flops(self.device, self.amp_dtype) * world_size
@@ -153,7 +170,10 @@ class Trainer:
         self.model.train()
         for _ in range(accum):
             inputs, targets = self.loader.next_batch()
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            inputs, targets = (
+                inputs.to(self.device, non_blocking=True),
+                targets.to(self.device, non_blocking=True),
+            )
             with self.autocast():
                 logits = self.forward(inputs)
             loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
@@ -231,7 +251,7 @@ class Trainer:
         }
         if self.device.type == "cuda":
             tensors["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
-        return tensors, optim["param_groups"]
+        return tensors, list(optim["param_groups"])  # type: ignore[arg-type]
 
     def save_checkpoint(self) -> Path:
         """Save everything needed to continue this run bit for bit."""
@@ -261,7 +281,8 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} holds a different model: {meta['model']}")
         set_model_state_dict(self.model, tensors["model"])
         set_optimizer_state_dict(
-            self.model, self.optimizer,
+            self.model,
+            self.optimizer,
             {"state": tensors["optim"]["state"], "param_groups": meta["optim_param_groups"]},
         )
         torch.set_rng_state(tensors["rng"]["torch"])
@@ -333,9 +354,11 @@ def _set_python_rng_state(state: list[Any]) -> None:
 
 
 def _numpy_rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"name": name, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached}
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    return {"name": name, "keys": np.asarray(keys).tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached}
 
 
 def _set_numpy_rng_state(s: dict[str, Any]) -> None:
-    np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+    np.random.set_state(
+        (s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"])
+    )
