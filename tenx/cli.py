@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stride",
         type=int,
         default=None,
-        help="tokens each scoring window moves (default seq_len/2; seq_len: no overlap)",
+        help="tokens each scoring window moves (default seq_len: no overlap; smaller gives more context)",
     )
     ep.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     ep.set_defaults(func=cmd_eval)

@@ -97,3 +97,11 @@ def test_safe_unpickler_accepts_dcp_metadata(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 1, state(1), {})
     meta = ckpt._SafeUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load()
     assert "model.w" in meta.state_dict_metadata
+
+
+def test_prune_never_deletes_the_protected_checkpoint(tmp_path):
+    for step in (1, 2, 5):
+        ckpt.save_checkpoint(tmp_path, step, state(step), {})
+    just_saved = ckpt.save_checkpoint(tmp_path, 3, state(3), {})  # after resuming below a damaged step 5
+    ckpt.prune_checkpoints(tmp_path, keep_last=1, protect=just_saved)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 5]

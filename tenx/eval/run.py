@@ -9,7 +9,7 @@ from tenx.data.manifest import read_manifest
 from tenx.data.prepare import CleaningStats, clean_text
 from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
-from tenx.errors import DataError
+from tenx.errors import DataError, TenxError
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
 from tenx.train.trainer import resolve_precision
@@ -39,13 +39,16 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
 
-    `stride` defaults to half the context, so every scored token sees at least seq_len/2 tokens of context;
+    `stride` defaults to seq_len (non-overlapping windows); a smaller one gives each scored token at least
+    seq_len - stride tokens of context at seq_len / stride times the compute;
     `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
     loaded = load_model(target, device)
     seq_len = loaded.model.cfg.seq_len
-    stride = stride or max(1, seq_len // 2)
+    if stride is not None and stride < 1:
+        raise TenxError(f"--stride must be >= 1, got {stride}")
+    stride = min(stride or seq_len, seq_len)
     amp_dtype = resolve_precision(precision, next(loaded.model.parameters()).device)
     data_dir = loaded.data_dir
     manifest = read_manifest(data_dir)

@@ -185,10 +185,11 @@ def latest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(root: str | Path, keep_last: int, protect: Path | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints (0 keeps all), and leftovers of interrupted saves.
 
-    Called right after a save, whose files were hashed as they were written, so the newest is verified.
+    `protect` (the checkpoint just saved, hashed as it was written) is never deleted, even when newer but
+    damaged checkpoints from before a resume outrank it.
     """
     for stale in [*Path(root).glob(".step_*.tmp-*"), *Path(root).glob(".step_*.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -196,6 +197,8 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
         return []
     removed = []
     for _, path in list_checkpoints(root)[:-keep_last]:
+        if protect is not None and path == Path(protect):
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed

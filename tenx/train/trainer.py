@@ -270,7 +270,7 @@ class Trainer:
             "tenx_version": tenx.__version__,
         }
         path = ckpt.save_checkpoint(self.checkpoint_dir(), self.step, tensors, meta)
-        ckpt.prune_checkpoints(self.checkpoint_dir(), self.cfg.checkpoint.keep_last)
+        ckpt.prune_checkpoints(self.checkpoint_dir(), self.cfg.checkpoint.keep_last, protect=path)
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
