@@ -18,6 +18,7 @@ from tenx.errors import CheckpointError, DataError, TenxError
 from tenx.monitor.metrics import read_metrics
 from tenx.train import checkpoint as ckpt
 from tenx.train.run import train
+from tenx.train.trainer import Callback
 
 
 def test_has_a_pulse(tiny_config, tiny_data, tmp_path):
@@ -192,3 +193,38 @@ def test_eval_and_sample(tiny_config, tiny_data, tmp_path, capsys):
     assert main(["sample", str(run), "--prompt", "def ", "--max-new-tokens", "20"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out) > 5
+
+
+class _Crash(Callback):
+    name = "crash"
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if trainer.step == self.at:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_exact_resume_in_process(tiny_config, tiny_data, tmp_path, precision):
+    """A crash after step 7 (checkpoint at 5) and a resume reproduce steps 6-10 bit for bit."""
+    overrides = ("train.steps=10", "checkpoint.every=5", f"train.precision={precision}")
+    train(tiny_config(tiny_data, *overrides), tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[_Crash(at=7)])
+    trainer, _ = train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", resume="auto")
+    assert trainer.resumed_from is not None and trainer.resumed_from.name == "step_00000005"
+    a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "crashed" / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_like_eager(tiny_config, tiny_data, tmp_path):
+    eager = train(tiny_config(tiny_data, "train.steps=5", "checkpoint.at_end=false"), tmp_path / "eager")[1]
+    compiled = train(
+        tiny_config(tiny_data, "train.steps=5", "checkpoint.at_end=false", "train.compile=true"), tmp_path / "c"
+    )[1]
+    assert abs(eager["loss"] - compiled["loss"]) < 1e-3
