@@ -1,6 +1,6 @@
 """`tenx quickstart`: the whole loop on the embedded default corpus, the Python standard library.
 
-prepare stdlib (BPE 8192) -> train configs/quickstart.toml on this machine -> bits per byte on the
+prepare stdlib (BPE 4096) -> train configs/quickstart.toml on this machine -> bits per byte on the
 held-out documents beside xz -9e on exactly the same bytes. Re-running reuses prepared data and a
 finished run; an interrupted run resumes from its newest verified checkpoint.
 """
@@ -40,7 +40,7 @@ def quickstart(
     out = Path(out)
     data_dir, run_dir = out / "data", out / "run"
 
-    prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=8192)
+    prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=4096)
     if is_prepared(prep):
         print(f"[1/4] reusing prepared data in {data_dir}")
     else:

@@ -12,7 +12,7 @@ from tenx import config as cfglib
 from tenx.errors import CheckpointError
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer
-from tenx.plan.hardware import pick_device
+from tenx.plan.hardware import pick_device, tune_cpu_allocator
 from tenx.train import checkpoint as ckpt
 
 
@@ -50,7 +50,10 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
     """Rebuild the model recorded in the checkpoint and load its weights (no optimizer state)."""
     path, run_dir = resolve_checkpoint(target)
     model_cfg = cfglib.from_dict(ModelConfig, ckpt.read_checkpoint_meta(path)["model"])
-    model = Transformer(model_cfg).to(pick_device(device))
+    dev = pick_device(device)
+    if dev.type == "cpu":
+        tune_cpu_allocator()
+    model = Transformer(model_cfg).to(dev)
     tensors = {"model": get_model_state_dict(model)}
     meta = ckpt.load_checkpoint(path, tensors)  # verifies every file's checksum first
     set_model_state_dict(model, tensors["model"])

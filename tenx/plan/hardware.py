@@ -122,3 +122,35 @@ def hardware_summary(device: torch.device) -> dict[str, object]:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_count"] = torch.cuda.device_count()
     return info
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_allocator_tuned = False
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep freed memory in glibc's heap instead of unmapping it after every step.
+
+    A CPU training step allocates and frees the same large activation and gradient buffers each time. With
+    glibc's defaults, blocks above the mmap threshold are mmapped and unmapped every step, and each fresh
+    page costs a page fault: on 2 cores that was half the wall time of the quickstart model (measured:
+    9,200 -> 17,500 tokens/s). Raising the mmap and trim thresholds makes the buffers reused. The price is
+    that the process keeps its peak memory. Returns True when applied (Linux with glibc), else False.
+    """
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
+        )
+    except (OSError, AttributeError):
+        return False
+    _allocator_tuned = ok
+    return ok

@@ -45,6 +45,9 @@ class TrainConfig:
     )
     compile: bool = field(False, help="torch.compile the model")
     threads: int | None = field(None, help="CPU threads for torch (default: torch's choice)")
+    tune_allocator: bool = field(
+        True, help="CPU on Linux/glibc: keep freed buffers in the heap (avoids a page fault storm every step)"
+    )
     eval_every: int = field(100, help="validation loss every N steps (0: only at the end)")
     eval_batches: int = field(16, help="micro-batches of the validation split per evaluation")
 

@@ -31,7 +31,13 @@ from tenx.errors import CheckpointError, ConfigError, TenxError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer, lm_loss
-from tenx.plan.hardware import cpu_has_fast_bf16, hardware_summary, peak_flops, pick_device
+from tenx.plan.hardware import (
+    cpu_has_fast_bf16,
+    hardware_summary,
+    peak_flops,
+    pick_device,
+    tune_cpu_allocator,
+)
 from tenx.train import checkpoint as ckpt
 from tenx.train.config import RunConfig
 from tenx.train.optim import build_optimizer, lr_at
@@ -110,6 +116,8 @@ class Trainer:
         if tc.threads:
             torch.set_num_threads(tc.threads)
         self.device = pick_device(tc.device)
+        if self.device.type == "cpu" and tc.tune_allocator:
+            tune_cpu_allocator()
         self.amp_dtype = resolve_precision(tc.precision, self.device)
         seed_everything(tc.seed)
 
@@ -355,7 +363,13 @@ def _set_python_rng_state(state: list[Any]) -> None:
 
 def _numpy_rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    return {"name": name, "keys": np.asarray(keys).tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached}
+    return {
+        "name": name,
+        "keys": np.asarray(keys).tolist(),
+        "pos": pos,
+        "has_gauss": has_gauss,
+        "cached": cached,
+    }
 
 
 def _set_numpy_rng_state(s: dict[str, Any]) -> None:
