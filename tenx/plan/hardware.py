@@ -1,7 +1,9 @@
 """What the hardware can do: device choice, bf16 support, and peak matmul FLOP/s for MFU.
 
-On a GPU the peak is the vendor's dense figure for the dtype; on a CPU there is no such figure, so it is
-measured once with a large square matmul on the threads torch uses and cached per (CPU, threads, dtype).
+On a GPU the peak is the vendor's dense figure for the dtype; on a CPU there is no such figure, so each run
+measures a square matmul briefly on the threads torch uses, and a cache per (CPU, threads, dtype, torch)
+keeps the best figure ever seen: a measurement taken while other work shared the cores is too low, and
+would make MFU exceed 100%.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tenx.utils.io import atomic_write_json
 
 # Dense (non-sparse) peak FLOP/s by GPU name substring; bf16 and tf32/fp32.
 GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
@@ -83,7 +87,7 @@ def measure_matmul_flops(
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else measured (CPU results cached)."""
+    """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else the best measurement seen."""
     key_dtype = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -97,11 +101,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    if key not in cache:
-        cache[key] = measure_matmul_flops(dtype, device)
+    measured = measure_matmul_flops(dtype, device, seconds=0.3)
+    if measured > cache.get(key, 0.0):
+        cache[key] = measured
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cache, indent=1))
+            atomic_write_json(path, cache)
         except OSError:
             pass  # the cache is an optimisation only
     return float(cache[key])
