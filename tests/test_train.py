@@ -225,6 +225,18 @@ def test_exact_resume_in_process(tiny_config, tiny_data, tmp_path, precision):
 def test_torch_compile_trains_like_eager(tiny_config, tiny_data, tmp_path):
     eager = train(tiny_config(tiny_data, "train.steps=5", "checkpoint.at_end=false"), tmp_path / "eager")[1]
     compiled = train(
-        tiny_config(tiny_data, "train.steps=5", "checkpoint.at_end=false", "train.compile=true"), tmp_path / "c"
+        tiny_config(tiny_data, "train.steps=5", "checkpoint.at_end=false", "train.compile=true"),
+        tmp_path / "c",
     )[1]
     assert abs(eager["loss"] - compiled["loss"]) < 1e-3
+
+
+def test_resume_into_a_different_model_names_the_fields(tiny_config, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, "train.steps=2"), run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_00000002").iterdir()}
+    with pytest.raises(
+        CheckpointError, match=r"holds a different model \(.*family: 'gpt2' in the checkpoint, 'llama' here"
+    ):
+        train(tiny_config(tiny_data, "train.steps=4", "model.family=llama"), run, resume="auto")
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints" / "step_00000002").iterdir()} == before

@@ -283,10 +283,17 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore model, optimizer, loader, RNGs, counters and callback state from a checkpoint."""
+        saved_model = ckpt.read_checkpoint_meta(path)["model"]
+        ours = cfglib.to_dict(self.model_cfg)
+        if saved_model != ours:
+            diff = ", ".join(
+                f"{k}: {saved_model.get(k)!r} in the checkpoint, {ours.get(k)!r} here"
+                for k in sorted(set(saved_model) | set(ours))
+                if saved_model.get(k) != ours.get(k)
+            )
+            raise CheckpointError(f"checkpoint {path} holds a different model ({diff})")
         tensors, _ = self._state_tensors()
         meta = ckpt.load_checkpoint(path, tensors)
-        if meta["model"] != cfglib.to_dict(self.model_cfg):
-            raise CheckpointError(f"checkpoint {path} holds a different model: {meta['model']}")
         set_model_state_dict(self.model, tensors["model"])
         set_optimizer_state_dict(
             self.model,
