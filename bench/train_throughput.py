@@ -186,22 +186,17 @@ def main() -> None:
         f"bf16 {peak_flops(torch.device('cpu'), torch.bfloat16) / 1e9:.0f} GFLOP/s"
     )
 
-    results = []
-    seed_everything(0)
-    reset_peak_rss()
-    times, losses = run_reference(
-        TokenLoader(stream, SEQ_LEN, MICRO_BATCH, seed=0), model_cfg, run_cfg.optim, args.steps
-    )
-    results.append(
-        summarize(
-            "reference (nanoGPT-style, fp32)",
-            times,
-            losses,
-            fpt,
-            peak_flops(torch.device("cpu"), torch.float32),
-            args.skip,
-        )
-    )
+    fp32_peak = peak_flops(torch.device("cpu"), torch.float32)
+
+    def time_reference(label: str) -> dict:
+        gc.collect()
+        reset_peak_rss()
+        seed_everything(0)
+        loader = TokenLoader(stream, SEQ_LEN, MICRO_BATCH, seed=0)
+        times, losses = run_reference(loader, model_cfg, run_cfg.optim, args.steps)
+        return summarize(label, times, losses, fpt, fp32_peak, args.skip)
+
+    results = [time_reference("reference (nanoGPT-style, fp32)")]
 
     variants = [("tenx fp32", "fp32", False), ("tenx default (auto)", "auto", False)]
     if args.compile:
@@ -238,22 +233,7 @@ def main() -> None:
 
     # The reference once more, now that tenx has tuned the process's allocator: shows how much of the ratio
     # is the allocator and how much the training step itself.
-    gc.collect()
-    reset_peak_rss()
-    seed_everything(0)
-    times, losses = run_reference(
-        TokenLoader(stream, SEQ_LEN, MICRO_BATCH, seed=0), model_cfg, run_cfg.optim, args.steps
-    )
-    results.append(
-        summarize(
-            "reference after tenx's allocator tuning",
-            times,
-            losses,
-            fpt,
-            peak_flops(torch.device("cpu"), torch.float32),
-            args.skip,
-        )
-    )
+    results.append(time_reference("reference after tenx's allocator tuning"))
 
     ref = results[0]
     print(f"\n{'run':44} {'tokens/s':>9} {'MFU':>6} {'peak MiB':>9} {'loss@end':>9} {'ratio':>6}")
