@@ -32,18 +32,51 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from tenx.monitor.goodput import compute_goodput, format_goodput
     from tenx.train.config import load_run_config, resolve_config_path
-    from tenx.train.run import train
 
     config_path = resolve_config_path(args.config)
-    cfg = load_run_config(config_path, args.set)
+    overrides = [*args.set, *([f"faults.inject={json.dumps(args.fault)}"] if args.fault else [])]
+    if args.fault_seed is not None:
+        overrides.append(f"faults.seed={args.fault_seed}")
+    cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
+    if args.supervise:
+        from tenx.train.supervise import child_environment, format_report, supervise
+
+        child_args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)]
+        for item in overrides:
+            child_args += ["--set", item]
+        report = supervise(
+            child_args,
+            run_dir,
+            resume=args.resume,
+            max_restarts=args.max_restarts,
+            same_failure_limit=args.same_failure_limit,
+            backoff_s=args.backoff,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            env=child_environment(),
+        )
+        print(format_report(report))
+        print(format_goodput(compute_goodput(run_dir)))
+        if not report.finished:
+            raise TenxError(f"supervised run in {run_dir} did not finish: {report.gave_up}")
+        return
+    from tenx.train.run import train
+
     trainer, metrics = train(cfg, run_dir, resume=args.resume)
     if metrics:
         print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
     else:
         print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
-    print(f"run directory: {run_dir}  (metrics: {run_dir / 'metrics.jsonl'})")
+    print(format_goodput(compute_goodput(run_dir)))
+    print(f"run directory: {run_dir}  (metrics: {run_dir / 'metrics.jsonl'}, status: tenx status {run_dir})")
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    from tenx.monitor.goodput import format_status
+
+    print(format_status(args.run_dir))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -134,7 +167,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
     tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
+    tp.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run training as a child process and restart it (--resume auto) after a crash, hang or kill",
+    )
+    tp.add_argument(
+        "--max-restarts", type=int, default=10, help="with --supervise: restarts before giving up"
+    )
+    tp.add_argument(
+        "--same-failure-limit",
+        type=int,
+        default=3,
+        help="with --supervise: give up when the same failure repeats this many times at the same step",
+    )
+    tp.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="with --supervise: seconds before restarting an attempt "
+        "that made no progress (doubles each time, up to 60)",
+    )
+    tp.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="with --supervise: kill a child whose ledger has not grown for this many seconds (0: off; "
+        "the in-process watchdog, [watchdog] timeout_s, is on by default)",
+    )
+    tp.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND@step=N|KIND@p=P",
+        help="inject a fault (repeatable): crash, sigkill, hang, nan, spike, corrupt-checkpoint, "
+        "corrupt-shard, slow; see docs/fault-tolerance.md",
+    )
+    tp.add_argument("--fault-seed", type=int, default=None, help="seed of random (p=P) faults")
     tp.set_defaults(func=cmd_train)
+
+    stp = sub.add_parser("status", help="progress, newest verified checkpoint, goodput and events of a run")
+    stp.add_argument("run_dir", help="run directory")
+    stp.set_defaults(func=cmd_status)
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")

@@ -39,7 +39,9 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path):
 
 
 def test_unknown_section(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'modle'.*allowed keys: checkpoint, data, log, model"):
+    with pytest.raises(
+        ConfigError, match="unknown key 'modle'.*allowed keys: checkpoint, data, faults, guard, log, model"
+    ):
         load_run_config(write(tmp_path, "[modle]\ndepth = 3\n"))
 
 

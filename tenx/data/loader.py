@@ -6,21 +6,29 @@ windows in a permutation drawn from (seed, epoch); a micro-batch is the next `mi
 windows of that order, and rank r takes its own contiguous slice. The loader's whole position is
 (epoch, cursor), which goes into every checkpoint, so a resumed or re-sharded run sees the same global
 batches.
+
+Faults: each shard's checksums are verified the first time a read touches it, so a corrupt shard is
+caught before its tokens are trained on. With `on_corrupt="skip"` the windows that overlap a corrupt
+shard are passed over, and ranges of the global order can be skipped on purpose (the data of bad steps,
+after a rollback); every rank walks the same global order, so all ranks pass over the same windows.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from tenx.config import field
-from tenx.data.manifest import np_dtype, read_manifest, verify_split
+from tenx.data.manifest import np_dtype, read_manifest, verify_shard
 from tenx.errors import ConfigError, DataError
+
+_SKIP_HINT = 'or set data.on_corrupt_shard = "skip" to train around it'
 
 
 @dataclass
@@ -33,7 +41,12 @@ class DataConfig:
     max_unique_tokens: int | None = field(
         None, help="use only the first N tokens of the training split (data-constrained experiments)"
     )
-    verify: bool = field(True, help="verify shard checksums against the manifest when opening a split")
+    verify: bool = field(True, help="verify each shard's checksums against the manifest when first read")
+    on_corrupt_shard: Literal["error", "skip"] = field(
+        "error",
+        help="a training shard that fails its checksum: 'error' stops the run, 'skip' trains around it "
+        "(its windows are never served; a corrupt-shard event is logged)",
+    )
 
     def validate(self) -> None:
         """Check field values (the directory itself is checked when the run opens it)."""
@@ -44,9 +57,24 @@ class DataConfig:
 
 
 class TokenStream:
-    """The concatenated tokens of one split, read through memory maps without copying the shards."""
+    """The concatenated tokens of one split, read through memory maps without copying the shards.
 
-    def __init__(self, data_dir: str | Path, split: str, verify: bool = True, max_tokens: int | None = None):
+    Shards are mapped at construction and each is verified against its manifest checksums when a read
+    first touches it. A corrupt shard raises DataError (`on_corrupt="error"`) or is recorded in
+    `bad_shards` and reported to `on_bad_shard(path, message)` (`on_corrupt="skip"`); reads never
+    return its tokens.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        verify: bool = True,
+        max_tokens: int | None = None,
+        on_corrupt: Literal["error", "skip"] = "error",
+    ):
+        if on_corrupt not in ("error", "skip"):
+            raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
         self.data_dir = Path(data_dir)
         self.manifest = read_manifest(self.data_dir)
         splits = self.manifest["splits"]
@@ -54,28 +82,107 @@ class TokenStream:
             raise DataError(
                 f"{self.data_dir / 'manifest.json'}: no split '{split}'; available: {', '.join(splits)}"
             )
-        if verify:
-            verify_split(self.data_dir, self.manifest, split)
         self.split = split
-        dtype = np_dtype(self.manifest)
-        self.shards: list[np.ndarray] = []
+        self.verify = verify
+        self.on_corrupt = on_corrupt
+        self.on_bad_shard: Callable[[str, str], None] | None = None
+        """Called once per shard found corrupt in skip mode, with its path and the reason."""
+        self.entries: list[dict[str, Any]] = splits[split]["shards"]
         self.starts: list[int] = []
         total = 0
-        for shard in splits[split]["shards"]:
-            path = self.data_dir / shard["file"]
-            arr = np.memmap(path, dtype=dtype, mode="r") if shard["tokens"] else np.zeros(0, dtype=dtype)
-            if len(arr) != shard["tokens"]:
-                raise DataError(
-                    f"{path}: holds {len(arr)} tokens, manifest says {shard['tokens']}; re-run prepare"
-                )
+        for shard in self.entries:
             self.starts.append(total)
-            self.shards.append(arr)
-            total += len(arr)
+            total += int(shard["tokens"])
         self.total_tokens = total
         self.num_tokens = min(total, max_tokens) if max_tokens is not None else total
+        self._open()
+
+    def _open(self) -> None:
+        """Map every shard and forget what was verified, as a fresh process would."""
+        dtype = np_dtype(self.manifest)
+        self.shards: list[np.ndarray] = []
+        self.bad_shards: dict[int, str] = {}
+        # Shards that need no check before a read: verified ones, and those no read can reach (empty, or
+        # wholly past max_tokens). Once it holds every shard, window_ok is a single attribute test.
+        self._sound: set[int] = set()
+        # A missing shard, or one whose size disagrees with the manifest, is corrupt too; in skip mode it is
+        # reported when first touched, like a checksum mismatch, so window ids keep their manifest places.
+        self._open_errors: dict[int, str] = {}
+        for i, shard in enumerate(self.entries):
+            path = self.data_dir / shard["file"]
+            tokens = int(shard["tokens"])
+            if not tokens or self.starts[i] >= self.num_tokens:
+                self._sound.add(i)
+            if not tokens:
+                self.shards.append(np.zeros(0, dtype=dtype))
+                continue
+            size = path.stat().st_size if path.is_file() else None
+            if size == tokens * dtype.itemsize:
+                self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
+                continue
+            if size is None:
+                message = f"shard file {path} is missing; re-run `tenx data prepare`"
+            else:
+                message = (
+                    f"shard file {path} holds {size // dtype.itemsize} tokens, manifest says {tokens}; "
+                    "re-run `tenx data prepare`"
+                )
+            if self.on_corrupt == "error":
+                raise DataError(f"{message}, {_SKIP_HINT}")
+            self._open_errors[i] = message
+            self.shards.append(np.zeros(0, dtype=dtype))
+        self._all_good = len(self._sound) == len(self.entries)
+
+    def reopen(self) -> None:
+        """Re-map the shards and verify each again on its next read (catches damage done since)."""
+        self._open()
 
     def __len__(self) -> int:
         return self.num_tokens
+
+    def _check(self, i: int) -> bool:
+        """Verify shard i once; False if it is bad (skip mode), DataError if it is bad (error mode)."""
+        if i in self._sound:
+            return True
+        if i in self.bad_shards:
+            return False
+        path = str(self.data_dir / self.entries[i]["file"])
+        message = self._open_errors.get(i)
+        if message is None and self.verify:
+            try:
+                verify_shard(self.data_dir, self.entries[i])
+            except DataError as e:
+                message = str(e)
+        if message is None:
+            self._sound.add(i)
+            self._all_good = len(self._sound) == len(self.entries)
+            return True
+        if self.on_corrupt == "error":
+            raise DataError(f"{message}, {_SKIP_HINT}")
+        self.bad_shards[i] = message
+        if self.on_bad_shard is not None:
+            self.on_bad_shard(path, message)
+        return False
+
+    def window_ok(self, start: int, length: int) -> bool:
+        """Whether every shard under tokens [start, start+length) is sound, verifying each on first use."""
+        if self._all_good:
+            return True
+        end = start + length
+        i = bisect.bisect_right(self.starts, start) - 1
+        while True:
+            if not self._check(i):
+                return False
+            i += 1
+            if i == len(self.starts) or self.starts[i] >= end:
+                return True
+
+    def locate(self, token_offset: int) -> tuple[str, int]:
+        """The shard file (relative to the data directory) holding a stream offset, and the offset in it."""
+        if not 0 <= token_offset < self.num_tokens:
+            raise IndexError(f"offset {token_offset} outside stream of {self.num_tokens} tokens")
+        i = bisect.bisect_right(self.starts, token_offset) - 1
+        return self.entries[i]["file"], token_offset - self.starts[i]
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start+length) as int64, crossing shard boundaries as needed."""
@@ -85,6 +192,10 @@ class TokenStream:
         pos = 0
         i = bisect.bisect_right(self.starts, start) - 1
         while pos < length:
+            if not self._check(i):
+                raise DataError(
+                    f"read [{start}, {start + length}) touches a corrupt shard: {self.bad_shards[i]}"
+                )
             local = start + pos - self.starts[i]
             take = min(length - pos, len(self.shards[i]) - local)
             out[pos : pos + take] = self.shards[i][local : local + take]
@@ -119,8 +230,25 @@ class TokenLoader:
             )
         self.epoch = 0
         self.cursor = 0
+        self.last_windows: list[int] = []
+        """This rank's window ids in the most recent `next_batch()`."""
+        self._skips: list[tuple[int, int]] = []  # sorted, disjoint, non-adjacent [start, end) positions
         self._order_epoch = -1
         self._order = np.arange(0)
+
+    @property
+    def position(self) -> int:
+        """Positions of the global window order consumed so far (served, skipped or rejected)."""
+        return self.epoch * self.num_windows + self.cursor
+
+    def _seek(self, position: int) -> None:
+        self.epoch, self.cursor = divmod(position, self.num_windows)
+
+    def add_skip(self, start: int, end: int) -> None:
+        """Never serve the windows at global positions [start, end) (the data of bad steps)."""
+        if not 0 <= start < end:
+            raise ValueError(f"skip range [{start}, {end}) must satisfy 0 <= start < end")
+        self._skips = _merge([*self._skips, (start, end)])
 
     def _window_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -131,27 +259,59 @@ class TokenLoader:
             self._order_epoch = epoch
         return self._order
 
-    def _take_windows(self, count: int) -> np.ndarray:
-        """The next `count` window ids of the global order, advancing (epoch, cursor)."""
-        ids = np.empty(count, dtype=np.int64)
-        filled = 0
-        while filled < count:
+    def _take_windows(self, count: int) -> list[int]:
+        """The next `count` servable window ids of the global order, advancing (epoch, cursor)."""
+        ids: list[int] = []
+        rejected = 0
+        while len(ids) < count:
+            position = self.position
+            k = bisect.bisect_right(self._skips, (position, float("inf")))
+            if k and self._skips[k - 1][1] > position:  # inside a skip range: jump past it
+                self._seek(self._skips[k - 1][1])
+                continue
+            stop = min(self.num_windows, self.cursor + count - len(ids))
+            if k < len(self._skips):
+                stop = min(stop, self._skips[k][0] - self.epoch * self.num_windows)
             order = self._window_order(self.epoch)
-            take = min(count - filled, self.num_windows - self.cursor)
-            ids[filled : filled + take] = order[self.cursor : self.cursor + take]
-            filled += take
-            self.cursor += take
-            if self.cursor == self.num_windows:
-                self.epoch, self.cursor = self.epoch + 1, 0
+            for w in order[self.cursor : stop].tolist():
+                if self.stream.window_ok(w * self.seq_len, self.seq_len + 1):
+                    ids.append(w)
+                else:
+                    rejected += 1
+            self._seek(self.epoch * self.num_windows + stop)
+            if rejected >= self.num_windows:
+                self._require_a_good_window()
+                rejected = 0
         return ids
+
+    def _require_a_good_window(self) -> None:
+        """After a long run of rejected windows, make sure some window can ever be served."""
+        if not any(
+            self.stream.window_ok(w * self.seq_len, self.seq_len + 1) for w in range(self.num_windows)
+        ):
+            bad = ", ".join(
+                str(self.stream.data_dir / self.stream.entries[i]["file"]) for i in self.stream.bad_shards
+            )
+            raise DataError(
+                f"every window of split '{self.stream.split}' overlaps a corrupt shard ({bad}); "
+                "re-run `tenx data prepare`"
+            )
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch: inputs and next-token targets, int64 (B, T)."""
         ids = self._take_windows(self.micro_batch * self.world_size)
-        mine = ids[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
-        rows = np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in mine])
+        self.last_windows = ids[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
+        rows = np.stack([self.stream.read(w * self.seq_len, self.seq_len + 1) for w in self.last_windows])
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1], tokens[:, 1:]
+
+    def describe_windows(self, ids: list[int]) -> list[dict[str, Any]]:
+        """Where each window starts: its id, shard file and token offset within that shard."""
+        described = []
+        for w in ids:
+            shard, offset = self.stream.locate(int(w) * self.seq_len)
+            described.append({"window": int(w), "shard": shard, "offset": offset})
+        return described
 
     @property
     def epochs_seen(self) -> float:
@@ -159,12 +319,13 @@ class TokenLoader:
         return self.epoch + self.cursor / self.num_windows
 
     def state_dict(self) -> dict[str, Any]:
-        """Position in the global window order (plain ints, JSON-serialisable)."""
+        """Position in the global window order and the skipped ranges (plain ints, JSON-serialisable)."""
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "seed": self.seed,
             "num_windows": self.num_windows,
+            "skips": [[start, end] for start, end in self._skips],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -176,6 +337,18 @@ class TokenLoader:
                 "the checkpoint"
             )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._skips = _merge([(int(start), int(end)) for start, end in state.get("skips", [])])
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted union of [start, end) ranges, overlapping or touching ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def sequential_windows(stream: TokenStream, seq_len: int, batch_size: int, max_batches: int | None = None):

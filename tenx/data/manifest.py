@@ -61,17 +61,21 @@ def np_dtype(manifest: dict[str, Any]) -> np.dtype:
 
 def verify_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> None:
     """Recompute the checksum of every shard and index file of `split`; DataError on any mismatch."""
-    data_dir = Path(data_dir)
     for shard in _split_entry(manifest, split)["shards"]:
-        for file_key, hash_key in (("file", "xxhash"), ("index_file", "index_xxhash")):
-            path = data_dir / shard[file_key]
-            if not path.is_file():
-                raise DataError(f"shard file {path} is missing; {_RERUN}")
-            actual = file_xxhash(path)
-            if actual != shard[hash_key]:
-                raise DataError(
-                    f"shard file {path} is corrupt: expected xxhash {shard[hash_key]}, got {actual}; {_RERUN}"
-                )
+        verify_shard(data_dir, shard)
+
+
+def verify_shard(data_dir: str | Path, shard: dict[str, Any]) -> None:
+    """Recompute the checksums of one shard's token and index files; DataError naming the bad file."""
+    for file_key, hash_key in (("file", "xxhash"), ("index_file", "index_xxhash")):
+        path = Path(data_dir) / shard[file_key]
+        if not path.is_file():
+            raise DataError(f"shard file {path} is missing; {_RERUN}")
+        actual = file_xxhash(path)
+        if actual != shard[hash_key]:
+            raise DataError(
+                f"shard file {path} is corrupt: expected xxhash {shard[hash_key]}, got {actual}; {_RERUN}"
+            )
 
 
 def split_documents_text(

@@ -13,7 +13,7 @@ from tenx.utils.io import atomic_write_text
 if TYPE_CHECKING:
     from tenx.train.trainer import Trainer
 
-from tenx.train.trainer import Callback
+from tenx.train.hooks import Callback
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -38,6 +38,7 @@ class MetricsLogger(Callback):
         self.tensorboard = tensorboard
         self._file: Any = None
         self._writer: Any = None
+        self._last_step = 0
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,12 +47,19 @@ class MetricsLogger(Callback):
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= trainer.step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")
+        self._last_step = trainer.step
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=trainer.step + 1)
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if metrics["step"] <= self._last_step:  # after a rollback: the steps are trained again
+            self._file.close()
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < metrics["step"]]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self._file = open(self.path, "a")
+        self._last_step = metrics["step"]
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
         if self._writer is not None:

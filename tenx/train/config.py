@@ -11,7 +11,10 @@ from tenx.config import field
 from tenx.data.loader import DataConfig
 from tenx.errors import ConfigError, TenxError
 from tenx.model.config import ModelConfig
+from tenx.train.faults import FaultConfig
+from tenx.train.guard import GuardConfig
 from tenx.train.optim import OptimConfig
+from tenx.train.watchdog import WatchdogConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -70,18 +73,33 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """When checkpoints are written and how many are kept."""
+    """When checkpoints are written, how, and how many are kept."""
 
-    every: int = field(0, help="save every N steps (0: only at the end)")
+    every: int | Literal["auto"] = field(
+        0,
+        help="save every N steps (0: only at the end); 'auto': the Young/Daly interval sqrt(2 * save cost * MTBF)",
+    )
     at_end: bool = field(True, help="save when training finishes")
     keep_last: int = field(3, help="keep the newest K checkpoints (0 keeps all)")
+    keep_every: int = field(0, help="also keep every checkpoint whose step is a multiple of M (0: none)")
+    async_save: bool = field(True, help="block only for an in-memory snapshot; write in the background")
+    mtbf_s: float = field(
+        86400.0,
+        help="assumed mean time between failures for every='auto' (the run's observed MTBF replaces it)",
+    )
+    auto_first_step: int = field(10, help="every='auto': the first save, which measures the save cost")
 
     def validate(self) -> None:
         """Check ranges; names the offending field."""
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every: must be >= 0, got {self.every}")
-        if self.keep_last < 0:
-            raise ConfigError(f"checkpoint.keep_last: must be >= 0, got {self.keep_last}")
+        if self.every != "auto" and self.every < 0:
+            raise ConfigError(f"checkpoint.every: must be >= 0 or 'auto', got {self.every}")
+        for name in ("keep_last", "keep_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.mtbf_s <= 0:
+            raise ConfigError(f"checkpoint.mtbf_s: must be > 0, got {self.mtbf_s}")
+        if self.auto_first_step < 1:
+            raise ConfigError(f"checkpoint.auto_first_step: must be >= 1, got {self.auto_first_step}")
 
 
 @dataclass
@@ -108,6 +126,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, help="training loop")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoints")
     log: LogConfig = field(default_factory=LogConfig, help="metrics and progress")
+    guard: GuardConfig = field(default_factory=GuardConfig, help="non-finite and loss-spike guard")
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig, help="hang detection")
+    faults: FaultConfig = field(default_factory=FaultConfig, help="fault injection for drills and tests")
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -10,20 +10,27 @@ from tenx.monitor.metrics import MetricsLogger, Progress
 from tenx.train import checkpoint as ckpt
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.config import RunConfig
+from tenx.train.faults import build_injector
 from tenx.train.trainer import Callback, Trainer
 
 
 def default_callbacks(cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None) -> list[Callback]:
-    """Validation, then `extra` callbacks, then metrics sinks, then checkpointing.
+    """The fault injector (when faults are configured), validation, `extra` callbacks, metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
     after its hook for that step has run.
     """
-    callbacks: list[Callback] = [Validation(cfg.train.eval_every), *(extra or [])]
+    injector = build_injector(cfg.faults)
+    callbacks: list[Callback] = [
+        *([injector] if injector else []),
+        Validation(cfg.train.eval_every),
+        *(extra or []),
+    ]
     callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
     if cfg.log.progress:
         callbacks.append(Progress(cfg.log.print_every))
-    callbacks.append(Checkpointing(cfg.checkpoint.every, cfg.checkpoint.at_end))
+    c = cfg.checkpoint
+    callbacks.append(Checkpointing(c.every, c.at_end, c.mtbf_s, c.auto_first_step))
     return callbacks
 
 

@@ -1,17 +1,26 @@
 """The training loop, plain from top to bottom.
 
-The math (forward, loss, backward, clip, AdamW step) lives in `train_step`. Side concerns attach through
-four hook points on `Callback`: on_train_start, on_step_end, on_train_end, and state_dict/load_state_dict
-so their state is checkpointed with everything else. Callbacks never touch gradients or the optimizer.
+The math (forward, loss, backward, clip, guard, AdamW step) lives in `train_step`. Side concerns attach
+through the hook points of `Callback` (tenx/train/hooks.py): on_train_start, on_step_start, on_step_end,
+on_train_end, and state_dict/load_state_dict so their state is checkpointed with everything else.
+Callbacks never touch gradients or the optimizer.
+
+State management lives here too: asynchronous checkpoints, the numerics guard with its rollback, the
+hang watchdog, the goodput ledger (RUN_DIR/ledger.jsonl) and the event log (RUN_DIR/events.jsonl).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import json
 import math
+import os
 import random
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,8 @@ from tenx.errors import CheckpointError, ConfigError, TenxError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer, lm_loss
+from tenx.monitor.events import EventLog
+from tenx.monitor.goodput import Ledger, process_start_time
 from tenx.plan.hardware import (
     cpu_has_fast_bf16,
     hardware_summary,
@@ -40,30 +51,13 @@ from tenx.plan.hardware import (
 )
 from tenx.train import checkpoint as ckpt
 from tenx.train.config import RunConfig
+from tenx.train.guard import StepGuard
+from tenx.train.hooks import Callback
 from tenx.train.optim import build_optimizer, lr_at
+from tenx.train.watchdog import Watchdog
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
-
-class Callback:
-    """A side concern of training. Override any hook; keep state in state_dict for exact resume."""
-
-    name = "callback"
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        """Called once before the first step (after any resume)."""
-
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        """Called after each optimizer step; earlier callbacks may have added to `metrics`."""
-
-    def on_train_end(self, trainer: Trainer) -> None:
-        """Called once after the last step."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state, saved in every checkpoint."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
+__all__ = ["Callback", "Trainer", "resolve_precision", "seed_everything"]
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
@@ -121,8 +115,16 @@ class Trainer:
         self.amp_dtype = resolve_precision(tc.precision, self.device)
         seed_everything(tc.seed)
 
+        self.events = EventLog(self.run_dir)
         self.train_stream = TokenStream(
-            cfg.data.dir, cfg.data.train_split, cfg.data.verify, cfg.data.max_unique_tokens
+            cfg.data.dir,
+            cfg.data.train_split,
+            cfg.data.verify,
+            cfg.data.max_unique_tokens,
+            on_corrupt=cfg.data.on_corrupt_shard,
+        )
+        self.train_stream.on_bad_shard = lambda path, message: self.events.emit(
+            "corrupt-shard", self.step + 1, shard=path, message=message, action="skipped"
         )
         self.data_manifest = self.train_stream.manifest
         vocab = int(self.data_manifest["tokenizer"]["vocab_size"])
@@ -160,6 +162,28 @@ class Trainer:
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
 
+        self.guard = StepGuard(cfg.guard)
+        self.rollbacks = 0
+        self._rollback_due = False
+        # Data skipped after rollbacks, kept beside the checkpoints so that a resume from a checkpoint
+        # older than the rollback skips the same data: the run stays reproducible.
+        skips_file = self.run_dir / "data_skips.json"
+        self._data_skips: list[list[int]] = (
+            json.loads(skips_file.read_text())["skips"] if skips_file.exists() else []
+        )
+        for start, end in self._data_skips:
+            self.loader.add_skip(start, end)
+        self.checkpointer = ckpt.AsyncCheckpointer(
+            self.checkpoint_dir(),
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.keep_every,
+            cfg.checkpoint.async_save,
+        )
+        self.before_publish: list[Callable[[Path, int], None]] = []
+        """Called with (temporary checkpoint dir, step) before each save is published (fault injection)."""
+        self.ledger = Ledger(self.run_dir) if rank == 0 else None
+        self.watchdog = Watchdog(cfg.watchdog, self.run_dir, self.events)
+
     # ----- the math -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context for forward passes (a no-op in fp32)."""
@@ -176,8 +200,11 @@ class Trainer:
         accum = self.cfg.train.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.model.train()
+        position = self.loader.position
+        windows: list[int] = []
         for _ in range(accum):
             inputs, targets = self.loader.next_batch()
+            windows.extend(self.loader.last_windows)
             inputs, targets = (
                 inputs.to(self.device, non_blocking=True),
                 targets.to(self.device, non_blocking=True),
@@ -188,25 +215,52 @@ class Trainer:
             (loss / accum).backward()
             loss_sum += ce.detach()
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
         loss_value = (loss_sum / accum).item()
+        verdict = self.guard.check(loss_value, grad_norm)
+        if verdict is None:
+            self.optimizer.step()
+            self.guard.record_good(loss_value, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         tokens_per_s = self.tokens_per_step / dt
-        return {
+        metrics: dict[str, Any] = {
             "step": self.step,
             "tokens": self.tokens_seen,
             "loss": loss_value,
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
+        if verdict is not None:
+            metrics["skipped"] = verdict
+            self._bad_step(verdict, loss_value, grad_norm, position, windows)
+        if self.ledger is not None:
+            self.ledger.step(self.step, dt, skipped=verdict is not None)
+        return metrics
+
+    def _bad_step(
+        self, verdict: str, loss: float, grad_norm: float, position: int, windows: list[int]
+    ) -> None:
+        """Record a skipped update with the data in flight; mark a rollback due after a streak."""
+        info = {"step": self.step, "position": [position, self.loader.position]}
+        self._rollback_due = self.guard.record_bad(info)
+        self.events.emit(
+            "skipped-step",
+            self.step,
+            reason=verdict,
+            loss=loss,
+            grad_norm=grad_norm,
+            threshold=self.guard.threshold(),
+            streak=len(self.guard.streak),
+            data=self.loader.describe_windows(windows),
+            rank=self.rank,
+        )
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -230,16 +284,91 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until total_steps; returns the last step's metrics."""
         self.write_provenance()
-        for cb in self.callbacks:
-            cb.on_train_start(self)
-        metrics: dict[str, Any] = {}
-        while self.step < self.total_steps:
-            metrics = self.train_step()
+        stacks = open(self.run_dir / f"stacks-pid{os.getpid()}.txt", "w")
+        if _SIGUSR1 is not None:  # `kill -USR1 PID` dumps every thread's stack into the run directory
+            faulthandler.register(_SIGUSR1, file=stacks, all_threads=True)
+        try:
             for cb in self.callbacks:
-                cb.on_step_end(self, metrics)
-        for cb in self.callbacks:
-            cb.on_train_end(self)
+                cb.on_train_start(self)
+            if self.ledger is not None:
+                self.ledger.start(self.step, process_start_time())
+            self.watchdog.start(self.step)
+            metrics: dict[str, Any] = {}
+            while self.step < self.total_steps:
+                for cb in self.callbacks:
+                    cb.on_step_start(self)
+                metrics = self.train_step()
+                for cb in self.callbacks:
+                    cb.on_step_end(self, metrics)
+                self.checkpointer.poll()
+                if self._rollback_due:
+                    self.rollback()
+                self.watchdog.beat(self.step)
+            for cb in self.callbacks:
+                cb.on_train_end(self)
+            self.checkpointer.wait()
+            if self.ledger is not None:
+                self.ledger.end(self.step)
+        finally:
+            self.watchdog.stop()
+            if self.ledger is not None:
+                self.ledger.close()
+            if _SIGUSR1 is not None:
+                faulthandler.unregister(_SIGUSR1)
+            stacks.close()
+            if Path(stacks.name).stat().st_size == 0:
+                Path(stacks.name).unlink(missing_ok=True)
         return metrics
+
+    def rollback(self) -> Path:
+        """Reload the newest verified checkpoint before the current streak of bad steps; skip their data."""
+        streak = list(self.guard.streak)
+        first_bad = streak[0]["step"]
+        skip = [streak[0]["position"][0], streak[-1]["position"][1]]
+        self._rollback_due = False
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.guard.max_rollbacks:
+            raise TenxError(
+                f"guard: {len(streak)} bad steps in a row from step {first_bad}, and already "
+                f"{self.cfg.guard.max_rollbacks} rollbacks (guard.max_rollbacks); the run is unstable: "
+                "lower optim.lr, check the data named in events.jsonl, or raise guard.max_rollbacks"
+            )
+        self.checkpointer.wait()
+        target = None
+        for step, path in reversed(ckpt.list_checkpoints(self.checkpoint_dir())):
+            if step < first_bad:
+                try:
+                    ckpt.verify_checkpoint(path)
+                except CheckpointError as e:
+                    print(f"tenx: guard: skipping checkpoint that does not verify: {e}")
+                    continue
+                target = path
+                break
+        if target is None:
+            raise TenxError(
+                f"guard: {len(streak)} bad steps in a row from step {first_bad} and no verified checkpoint "
+                "before them to roll back to; save checkpoints more often (checkpoint.every)"
+            )
+        from_step = self.step
+        self._data_skips.append(skip)
+        atomic_write_json(self.run_dir / "data_skips.json", {"skips": self._data_skips})
+        self.load_checkpoint(target)
+        self.events.emit(
+            "rollback",
+            from_step,
+            to_step=self.step,
+            checkpoint=str(target),
+            bad_steps=[b["step"] for b in streak],
+            skipped_positions=skip,
+            rollbacks=self.rollbacks,
+        )
+        if self.ledger is not None:
+            self.ledger.rollback(from_step, self.step)
+        print(
+            f"tenx: guard: {len(streak)} bad steps from step {first_bad}; rolled back to step {self.step} "
+            f"and skipped the data they read (loader positions {skip[0]}..{skip[1]})"
+        )
+        return target
 
     # ----- state ----------------------------------------------------------------------------------
     def checkpoint_dir(self) -> Path:
@@ -261,9 +390,15 @@ class Trainer:
             tensors["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
         return tensors, list(optim["param_groups"])  # type: ignore[arg-type]
 
-    def save_checkpoint(self) -> Path:
-        """Save everything needed to continue this run bit for bit."""
+    def save_checkpoint(self) -> float:
+        """Save everything needed to continue this run bit for bit; returns the seconds the loop was blocked.
+
+        With `checkpoint.async_save` the loop blocks only while the state is copied in memory; the files
+        are written, hashed and published in the background (`self.checkpointer`).
+        """
+        t0 = time.perf_counter()
         tensors, param_groups = self._state_tensors()
+        meta_step = self.step
         meta = {
             "optim_param_groups": param_groups,
             "data_dir": str(Path(self.cfg.data.dir).resolve()),
@@ -272,14 +407,23 @@ class Trainer:
             "python_rng": _python_rng_state(),
             "numpy_rng": _numpy_rng_state(),
             "callbacks": {cb.name: cb.state_dict() for cb in self.callbacks},
+            "guard": self.guard.state_dict(),
             "config": cfglib.to_dict(self.cfg),
             "model": cfglib.to_dict(self.model_cfg),
             "data_tokenizer": self.data_manifest["tokenizer"],
             "tenx_version": tenx.__version__,
         }
-        path = ckpt.save_checkpoint(self.checkpoint_dir(), self.step, tensors, meta)
-        ckpt.prune_checkpoints(self.checkpoint_dir(), self.cfg.checkpoint.keep_last, protect=path)
-        return path
+        hooks = list(self.before_publish)
+        self.checkpointer.save(
+            self.step,
+            tensors,
+            meta,
+            before_publish=(lambda tmp: [hook(tmp, meta_step) for hook in hooks]) if hooks else None,
+        )
+        blocked = time.perf_counter() - t0  # state dicts and metadata included, not just the snapshot
+        if self.ledger is not None:
+            self.ledger.checkpoint(self.step, blocked)
+        return blocked
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore model, optimizer, loader, RNGs, counters and callback state from a checkpoint."""
@@ -306,7 +450,11 @@ class Trainer:
         _set_python_rng_state(meta["python_rng"])
         _set_numpy_rng_state(meta["numpy_rng"])
         self.loader.load_state_dict(meta["loader"])
+        for start, end in self._data_skips:  # skips recorded after this checkpoint was saved
+            self.loader.add_skip(start, end)
         self.step, self.tokens_seen = int(meta["step"]), int(meta["tokens"])
+        self.guard.load_state_dict(meta.get("guard", {}))
+        self._rollback_due = False
         for cb in self.callbacks:
             cb.load_state_dict(meta["callbacks"].get(cb.name, {}))
         self.resumed_from = Path(path)
@@ -350,6 +498,9 @@ class Trainer:
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             },
         )
+
+
+_SIGUSR1 = getattr(signal, "SIGUSR1", None)
 
 
 def seed_everything(seed: int) -> None:

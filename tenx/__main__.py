@@ -1,0 +1,7 @@
+"""`python -m tenx` runs the `tenx` command."""
+
+import sys
+
+from tenx.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""The run's event log: rare, notable happenings (faults, rollbacks, hangs, restarts) in RUN_DIR/events.jsonl.
+
+Each event is one JSON line, written with a single append and fsynced before `emit` returns, so a record
+made just before a SIGKILL (a fault injector announcing the kill) is on disk when the process dies. The
+file stays strict JSON: NaN and infinities are written as the strings "nan", "inf" and "-inf", and NumPy or
+torch scalars as plain numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tenx.utils.io import fsync_dir
+
+EVENTS_FILE = "events.jsonl"
+
+
+def _plain(value: Any) -> Any:
+    """`value` with non-finite floats as strings and containers converted, recursively."""
+    if isinstance(value, float):  # numpy.float64 included: it subclasses float
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return float(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _fallback(value: Any) -> Any:
+    """json.dumps hook: NumPy/torch scalars and arrays become numbers and lists, anything else its str()."""
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if hasattr(value, "item"):
+        return _plain(value.item())
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """`record` as one line of strict JSON (no NaN/Infinity tokens), newline included."""
+    return json.dumps(_plain(record), default=_fallback, allow_nan=False) + "\n"
+
+
+def append_line(path: Path, line: str, sync: bool) -> None:
+    """Append `line` with one write; first end a torn last line left by a killed writer."""
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if ends_mid_line(path):
+            line = "\n" + line
+        os.write(fd, line.encode("utf-8"))
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created and sync:
+        fsync_dir(path.parent)
+
+
+def ends_mid_line(path: Path) -> bool:
+    """Whether `path` ends in a line without its newline (the torn write of a killed process)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; unparsable lines (a torn write) are skipped, a missing file is []."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+class EventLog:
+    """Appends events to RUN_DIR/events.jsonl; any number of processes may append, one event at a time."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+
+    def emit(self, kind: str, step: int | None = None, **fields: Any) -> dict[str, Any]:
+        """Write one event (fsynced before returning) and return it as written."""
+        record = {"time": time.time(), "kind": kind, "step": step, "pid": os.getpid(), **fields}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json_line(record)
+        append_line(self.path, line, sync=True)
+        return json.loads(line)
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All events of a run, oldest first ([] when there are none; a torn line is ignored)."""
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)

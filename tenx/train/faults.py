@@ -1,0 +1,283 @@
+"""Fault injection for tests and drills: make a run crash, die, hang, diverge or lose data on purpose.
+
+A fault is `KIND@step=N[,option=value...]` (fires when step N is about to run) or `KIND@p=P[,...]`
+(fires at each step with probability P, drawn from `faults.seed` and the step number, so the same
+seed gives the same faults). Every fault fires at most once per step over the whole run, restarts
+included: before it takes effect it is written (fsynced) to RUN_DIR/events.jsonl, and a restarted
+process reads that log and does not fire it again. So a `sigkill@step=30` kills the run once, and the
+supervised restart replays step 30 normally.
+
+Kinds:
+  crash               raise an exception (the process exits with status 1)
+  sigkill             SIGKILL this process; with `phase=save`, during the checkpoint save of step N,
+                      after its files are written and before it is published
+  hang                stop making progress (sleep forever; the watchdog notices)
+  nan                 make the step's loss non-finite (the logits become NaN)
+  spike               multiply the step's logits by `factor` (default 100): its loss and gradients spike
+  corrupt-checkpoint  damage the newest checkpoint's largest file
+  corrupt-shard       damage a training shard's bytes (the data directory is modified: drill on a copy)
+                      and make the loader reopen its shards, as a restarted process would
+  slow                sleep `seconds` (default 1.0) before the step: a straggler
+
+Options: `count=C` (also fire at the C-1 following steps), `factor=F` (spike), `seconds=S` (slow,
+hang), `phase=step|save` (sigkill), `shard=I` (corrupt-shard: index in the split, default the shard
+holding the next training window), `rank=R` (only rank R fires; default 0).
+
+The injector is a Callback beside the trainer: it acts from `on_step_start`, through a forward hook on
+the model for nan/spike, and through the trainer's `before_publish` hooks for saves. The math is
+never edited for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tenx.config import field
+from tenx.errors import ConfigError
+from tenx.train.hooks import Callback
+
+if TYPE_CHECKING:
+    import torch
+
+    from tenx.train.trainer import Trainer
+
+KINDS = (
+    "crash",
+    "sigkill",
+    "hang",
+    "nan",
+    "spike",
+    "corrupt-checkpoint",
+    "corrupt-shard",
+    "slow",
+)
+_OPTIONS: dict[str, type] = {
+    "count": int,
+    "factor": float,
+    "seconds": float,
+    "phase": str,
+    "shard": int,
+    "rank": int,
+}
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `crash` fault raises."""
+
+
+@dataclass
+class FaultConfig:
+    """Faults to inject on purpose (drills and tests); empty in real runs."""
+
+    inject: list[str] = field(
+        default_factory=list, help="fault specs KIND@step=N[,opt=v] or KIND@p=P (see docs/fault-tolerance.md)"
+    )
+    seed: int = field(0, help="seed of the random (p=P) faults")
+
+    def validate(self) -> None:
+        """Parse every spec; the error names the bad one."""
+        for i, text in enumerate(self.inject):
+            parse_fault(text, f"faults.inject[{i}]")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One parsed fault: what, when (a step or a probability), and its options."""
+
+    text: str
+    kind: str
+    step: int | None = None
+    p: float | None = None
+    count: int = 1
+    factor: float = 100.0
+    seconds: float = 1.0
+    phase: str = "step"
+    shard: int | None = None
+    rank: int = 0
+
+    def fires_at(self, step: int, seed: int, index: int) -> bool:
+        """Whether this fault is due when `step` is about to run (or be saved, for phase=save)."""
+        if self.step is not None:
+            return self.step <= step < self.step + self.count
+        assert self.p is not None
+        return random.Random(f"tenx-fault:{seed}:{index}:{step}").random() < self.p
+
+
+def parse_fault(text: str, where: str = "--fault") -> FaultSpec:
+    """Parse `KIND@step=N[,opt=v...]` or `KIND@p=P[,...]`; ConfigError names the problem."""
+    usage = f"{where}: {text!r} is not a fault spec; expected KIND@step=N[,option=value] or KIND@p=P"
+    kind, sep, rest = text.strip().partition("@")
+    if not sep or not rest:
+        raise ConfigError(usage)
+    if kind not in KINDS:
+        raise ConfigError(f"{where}: unknown fault kind {kind!r}; choose one of {', '.join(KINDS)}")
+    values: dict[str, Any] = {}
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ConfigError(usage)
+        if key in ("step", "p"):
+            conv: type = int if key == "step" else float
+        elif key in _OPTIONS:
+            conv = _OPTIONS[key]
+        else:
+            raise ConfigError(
+                f"{where}: unknown option {key!r} in {text!r}; options: step, p, {', '.join(_OPTIONS)}"
+            )
+        try:
+            values[key] = conv(value.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: {key}={value!r} in {text!r} is not a {conv.__name__}") from None
+    if ("step" in values) == ("p" in values):
+        raise ConfigError(f"{where}: {text!r} needs exactly one of step=N and p=P")
+    if "step" in values and values["step"] < 1:
+        raise ConfigError(f"{where}: step must be >= 1 in {text!r}")
+    if "p" in values and not 0.0 <= values["p"] <= 1.0:
+        raise ConfigError(f"{where}: p must be within [0, 1] in {text!r}")
+    if values.get("count", 1) < 1:
+        raise ConfigError(f"{where}: count must be >= 1 in {text!r}")
+    if values.get("phase", "step") not in ("step", "save"):
+        raise ConfigError(f"{where}: phase must be 'step' or 'save' in {text!r}")
+    if values.get("phase") == "save" and kind != "sigkill":
+        raise ConfigError(f"{where}: phase=save is only for sigkill, in {text!r}")
+    if kind in ("slow", "hang") and "seconds" not in values:
+        values["seconds"] = 1.0 if kind == "slow" else math.inf
+    return FaultSpec(text=text, kind=kind, **values)
+
+
+def damage_file(path: Path, nbytes: int = 64) -> None:
+    """Flip `nbytes` bytes in the middle of `path`, in place (keeps its size)."""
+    size = path.stat().st_size
+    if size == 0:
+        path.write_bytes(b"\xff" * nbytes)
+        return
+    start = max(0, size // 2 - nbytes // 2)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        chunk = f.read(nbytes)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class FaultInjector(Callback):
+    """Fires the configured faults at their steps; records each in events.jsonl before it acts."""
+
+    name = "faults"
+
+    def __init__(self, specs: list[FaultSpec], seed: int = 0) -> None:
+        self.specs = specs
+        self.seed = seed
+        self._fired: set[tuple[str, int]] = set()
+        self._hooks: list[Any] = []
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer) -> None:
+        from tenx.monitor.events import read_events
+
+        self._fired = {
+            (e["fault"], int(e["step"]))
+            for e in read_events(trainer.run_dir)
+            if e.get("kind") == "fault" and e.get("step") is not None
+        }
+        if any(s.phase == "save" for s in self.specs):
+            trainer.before_publish.append(lambda tmp_dir, step: self._on_save(tmp_dir, step, trainer))
+
+    def _due(self, trainer: Trainer, step: int, phase: str) -> list[FaultSpec]:
+        due = []
+        for i, spec in enumerate(self.specs):
+            if spec.phase != phase or spec.rank != trainer.rank or (spec.text, step) in self._fired:
+                continue
+            if spec.fires_at(step, self.seed, i):
+                due.append(spec)
+        return due
+
+    def _record(self, trainer: Trainer, spec: FaultSpec, step: int, **fields: Any) -> None:
+        self._fired.add((spec.text, step))
+        trainer.events.emit("fault", step, fault=spec.text, fault_kind=spec.kind, **fields)
+
+    # -- the faults --------------------------------------------------------------------------------
+    def on_step_start(self, trainer: Trainer) -> None:
+        step = trainer.step + 1
+        for spec in self._due(trainer, step, "step"):
+            self._fire(trainer, spec, step)
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _fire(self, trainer: Trainer, spec: FaultSpec, step: int) -> None:
+        kind = spec.kind
+        if kind == "crash":
+            self._record(trainer, spec, step)
+            raise InjectedFault(f"injected crash at step {step} ({spec.text})")
+        if kind == "sigkill":
+            self._record(trainer, spec, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            self._record(trainer, spec, step, seconds=spec.seconds)
+            deadline = time.monotonic() + spec.seconds
+            while time.monotonic() < deadline:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        elif kind == "slow":
+            self._record(trainer, spec, step, seconds=spec.seconds)
+            time.sleep(spec.seconds)
+        elif kind in ("nan", "spike"):
+            factor = math.nan if kind == "nan" else spec.factor
+            self._record(trainer, spec, step, factor=factor)
+            self._hooks.append(trainer.model.register_forward_hook(_scale_output(factor)))
+        elif kind == "corrupt-checkpoint":
+            trainer.checkpointer.wait()
+            from tenx.train.checkpoint import list_checkpoints
+
+            found = list_checkpoints(trainer.checkpoint_dir())
+            if not found:
+                self._record(trainer, spec, step, damaged=None, note="no checkpoint yet")
+                return
+            newest = found[-1][1]
+            target = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+            self._record(trainer, spec, step, damaged=str(target))
+            damage_file(target)
+        elif kind == "corrupt-shard":
+            stream = trainer.train_stream
+            shards = stream.manifest["splits"][stream.split]["shards"]
+            index = spec.shard
+            if index is None:  # the shard the run is reading now
+                recent = trainer.loader.last_windows
+                file = stream.locate(recent[0] * trainer.model_cfg.seq_len)[0] if recent else None
+                index = next((i for i, s in enumerate(shards) if s["file"] == file), 0)
+            if not 0 <= index < len(shards):
+                raise ConfigError(f"{spec.text}: shard={index}, but the split has {len(shards)} shards")
+            target = stream.data_dir / shards[index]["file"]
+            self._record(trainer, spec, step, damaged=str(target))
+            damage_file(target)
+            stream.reopen()
+
+    def _on_save(self, tmp_dir: Path, step: int, trainer: Trainer) -> None:
+        for spec in self._due(trainer, step, "save"):
+            self._record(trainer, spec, step, phase="save", tmp_dir=str(tmp_dir))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _scale_output(factor: float):
+    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return output * factor
+
+    return hook
+
+
+def build_injector(cfg: FaultConfig) -> FaultInjector | None:
+    """The injector for `cfg`, or None when no faults are configured."""
+    if not cfg.inject:
+        return None
+    return FaultInjector([parse_fault(t, f"faults.inject[{i}]") for i, t in enumerate(cfg.inject)], cfg.seed)

@@ -1,0 +1,296 @@
+"""The supervisor: run training as a child process and restart it after a crash, a hang or a kill.
+
+`tenx train ... --supervise` runs `python -m tenx train ...` (or a launcher such as torchrun) as a child.
+When the child ends with a failure it is started again with `--resume auto`, which continues from the
+newest checkpoint that verifies. What is retried and what is not:
+
+- exit 0: done.
+- exit 2: an error tenx reports to the user (bad config, corrupt data, a guard that gave up): restarting
+  cannot fix it, so the supervisor stops and says so.
+- anything else (an exception: 1; the watchdog: 3; a signal such as SIGKILL): restart.
+
+Restarts are limited: at most `max_restarts` in all, and the supervisor gives up when the same failure
+(same exit status at the same step) happens `same_failure_limit` times in a row. Attempts that made no
+progress wait `backoff_s`, doubling up to a minute, before the next start.
+
+A warm spare cuts restart time: while the child trains, the next interpreter is already started with
+torch and tenx imported and waits on its stdin for its arguments (single-process runs only). The
+supervisor also watches the run's ledger as a heartbeat (`heartbeat_timeout_s`): a child that writes no
+step for that long gets SIGUSR1 (its stacks are dumped to the run directory) and then SIGKILL, which
+catches hangs the in-process watchdog cannot see (C code that never releases the GIL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tenx.monitor.events import EventLog
+from tenx.monitor.goodput import Ledger
+from tenx.train.watchdog import EXIT_HANG
+
+EXIT_USAGE = 2
+"""Exit status of a run that stopped with an error restarting cannot fix."""
+
+
+def describe_exit(returncode: int) -> str:
+    """A short human reason for a child's exit status."""
+    if returncode == 0:
+        return "finished"
+    if returncode == EXIT_USAGE:
+        return "error that a restart cannot fix (exit 2)"
+    if returncode == EXIT_HANG:
+        return "hang detected by the watchdog (exit 3)"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"crashed (exit {returncode})"
+
+
+@dataclass
+class Attempt:
+    """One child process: its exit and how far it got."""
+
+    index: int
+    pid: int
+    returncode: int
+    reason: str
+    start_step: int | None
+    last_step: int | None
+    seconds: float
+
+
+@dataclass
+class SupervisorReport:
+    """What happened under supervision."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    finished: bool = False
+    gave_up: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def restarts(self) -> int:
+        """Child processes started after the first."""
+        return max(0, len(self.attempts) - 1)
+
+
+def _steps_of(run_dir: Path, pid: int) -> tuple[int | None, int | None]:
+    """(resumed-at step, last completed step) that process `pid` wrote to the run's ledger."""
+    start = last = None
+    try:
+        with open(run_dir / "ledger.jsonl") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("pid") != pid:
+                    continue
+                if rec.get("kind") == "start":
+                    start = int(rec["step"])
+                elif rec.get("kind") == "step":
+                    last = int(rec["step"])
+    except OSError:
+        pass
+    return start, last if last is not None else start
+
+
+class _Spares:
+    """Keeps one pre-started interpreter (torch and tenx imported) waiting for its arguments."""
+
+    def __init__(self, enabled: bool, env: dict[str, str] | None) -> None:
+        self.enabled, self.env = enabled, env
+        self.spare: subprocess.Popen[bytes] | None = None
+
+    def warm(self) -> None:
+        if self.enabled and self.spare is None:
+            self.spare = subprocess.Popen(
+                [sys.executable, "-m", "tenx.train.worker"], stdin=subprocess.PIPE, env=self.env
+            )
+
+    def take(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        spare.stdin.write((json.dumps(argv) + "\n").encode())
+        spare.stdin.close()
+        return spare
+
+    def close(self) -> None:
+        if self.spare is not None and self.spare.stdin is not None:
+            self.spare.stdin.close()
+            try:
+                self.spare.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.spare.kill()
+        self.spare = None
+
+
+def supervise(
+    train_args: list[str],
+    run_dir: str | Path,
+    *,
+    resume: str | None = None,
+    max_restarts: int = 10,
+    same_failure_limit: int = 3,
+    backoff_s: float = 1.0,
+    heartbeat_timeout_s: float = 0.0,
+    launcher: list[str] | None = None,
+    warm_spare: bool = True,
+    env: dict[str, str] | None = None,
+) -> SupervisorReport:
+    """Run `tenx <train_args>` until it finishes, restarting it with `--resume auto` after failures.
+
+    `train_args` start with `train` and must not contain `--resume` (give `resume` for the first start).
+    `launcher` replaces `python -m tenx` (e.g. `torchrun --nproc_per_node 2 -m tenx`); a warm spare is
+    used only with the default launcher.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events, ledger = EventLog(run_dir), Ledger(run_dir)
+    prefix = launcher or [sys.executable, "-m", "tenx"]
+    spares = _Spares(warm_spare and launcher is None, env)
+    report = SupervisorReport()
+    t0 = time.monotonic()
+    stop_signal: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: Any) -> None:
+        stop_signal.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    same_failures, no_progress = 0, 0
+    try:
+        spares.warm()
+        while True:
+            attempt = len(report.attempts)
+            args = (
+                [*train_args, "--resume", "auto" if attempt else str(resume)]
+                if (attempt or resume)
+                else train_args
+            )
+            ledger.launch(attempt)
+            started = time.monotonic()
+            child = spares.take(args)
+            if child is None:
+                child = subprocess.Popen([*prefix, *args], env=env)
+            spares.warm()
+            returncode = _wait(child, run_dir, heartbeat_timeout_s, events, attempt)
+            reason = describe_exit(returncode)
+            ledger.exit(attempt, returncode, reason)
+            start_step, last_step = _steps_of(run_dir, child.pid)
+            report.attempts.append(
+                Attempt(
+                    attempt, child.pid, returncode, reason, start_step, last_step, time.monotonic() - started
+                )
+            )
+            if returncode == 0:
+                report.finished = True
+                break
+            if stop_signal:
+                report.gave_up = f"stopped by {signal.Signals(stop_signal[0]).name}"
+                break
+            if returncode == EXIT_USAGE:
+                report.gave_up = f"attempt {attempt} ended with an {reason}; see its message above"
+                break
+            prev = report.attempts[-2] if len(report.attempts) > 1 else None
+            same = prev is not None and (prev.returncode, prev.last_step) == (returncode, last_step)
+            same_failures = same_failures + 1 if same else 1
+            if same_failures >= same_failure_limit:
+                report.gave_up = (
+                    f"the same failure ({reason}) happened {same_failures} times in a row at step "
+                    f"{last_step}; not restarting"
+                )
+                break
+            if report.restarts >= max_restarts:
+                report.gave_up = f"{reason}; reached --max-restarts {max_restarts}"
+                break
+            progressed = last_step is not None and (start_step is None or last_step > start_step)
+            no_progress = 0 if progressed else no_progress + 1
+            delay = min(60.0, backoff_s * 2 ** (no_progress - 1)) if no_progress else 0.0
+            events.emit(
+                "restart", last_step, attempt=attempt + 1, returncode=returncode, reason=reason, delay_s=delay
+            )
+            print(
+                f"tenx supervise: attempt {attempt} {reason} at step {last_step}; restarting"
+                + (f" in {delay:.1f} s" if delay else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            if delay:
+                time.sleep(delay)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        spares.close()
+    report.wall_s = time.monotonic() - t0
+    events.emit(
+        "supervisor-end",
+        report.attempts[-1].last_step if report.attempts else None,
+        finished=report.finished,
+        restarts=report.restarts,
+        gave_up=report.gave_up,
+    )
+    return report
+
+
+def _wait(
+    child: subprocess.Popen[bytes], run_dir: Path, heartbeat_timeout_s: float, events: EventLog, attempt: int
+) -> int:
+    """Wait for the child; kill it when the ledger (written every step) goes stale for too long."""
+    if heartbeat_timeout_s <= 0:
+        return child.wait()
+    ledger = run_dir / "ledger.jsonl"
+    last_seen = time.monotonic()
+    last_mtime = ledger.stat().st_mtime if ledger.exists() else 0.0
+    while True:
+        try:
+            return child.wait(timeout=min(1.0, heartbeat_timeout_s / 4))
+        except subprocess.TimeoutExpired:
+            pass
+        mtime = ledger.stat().st_mtime if ledger.exists() else 0.0
+        if mtime != last_mtime:
+            last_mtime, last_seen = mtime, time.monotonic()
+        elif time.monotonic() - last_seen > heartbeat_timeout_s:
+            events.emit(
+                "hang",
+                None,
+                attempt=attempt,
+                detected_by="supervisor heartbeat",
+                waited_s=heartbeat_timeout_s,
+            )
+            child.send_signal(signal.SIGUSR1)  # the trainer's faulthandler dumps its stacks
+            time.sleep(1.0)
+            child.kill()
+            child.wait()
+            return EXIT_HANG
+
+
+def format_report(report: SupervisorReport) -> str:
+    """One line per attempt, then the outcome."""
+    lines = ["tenx supervise:"]
+    for a in report.attempts:
+        lines.append(
+            f"  attempt {a.index} (pid {a.pid}): {a.reason}; steps {a.start_step} -> {a.last_step} "
+            f"in {a.seconds:.1f} s"
+        )
+    outcome = "finished" if report.finished else f"gave up: {report.gave_up}"
+    lines.append(f"  {outcome} after {report.restarts} restart(s), {report.wall_s:.1f} s")
+    return "\n".join(lines)
+
+
+def child_environment() -> dict[str, str]:
+    """The environment for children (unbuffered output so their lines interleave in order)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
