@@ -123,9 +123,7 @@ class Trainer:
             cfg.data.max_unique_tokens,
             on_corrupt=cfg.data.on_corrupt_shard,
         )
-        self.train_stream.on_bad_shard = lambda path, message: self.events.emit(
-            "corrupt-shard", self.step + 1, shard=path, message=message, action="skipped"
-        )
+        self.train_stream.on_bad_shard = self._on_bad_shard
         self.data_manifest = self.train_stream.manifest
         vocab = int(self.data_manifest["tokenizer"]["vocab_size"])
         self.model_cfg: ModelConfig = cfg.model.resolved(vocab)
@@ -183,6 +181,10 @@ class Trainer:
         """Called with (temporary checkpoint dir, step) before each save is published (fault injection)."""
         self.ledger = Ledger(self.run_dir) if rank == 0 else None
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, self.events)
+
+    def _on_bad_shard(self, path: str, message: str) -> None:
+        """A training shard failed its checksum in data.on_corrupt_shard='skip' mode: record it."""
+        self.events.emit("corrupt-shard", self.step + 1, shard=path, message=message, action="skipped")
 
     # ----- the math -------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -418,7 +420,7 @@ class Trainer:
             self.step,
             tensors,
             meta,
-            before_publish=(lambda tmp: [hook(tmp, meta_step) for hook in hooks]) if hooks else None,
+            before_publish=(lambda tmp: _call_all(hooks, tmp, meta_step)) if hooks else None,
         )
         blocked = time.perf_counter() - t0  # state dicts and metadata included, not just the snapshot
         if self.ledger is not None:
@@ -501,6 +503,11 @@ class Trainer:
 
 
 _SIGUSR1 = getattr(signal, "SIGUSR1", None)
+
+
+def _call_all(hooks: list[Callable[[Path, int], None]], tmp: Path, step: int) -> None:
+    for hook in hooks:
+        hook(tmp, step)
 
 
 def seed_everything(seed: int) -> None:
