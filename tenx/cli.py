@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             same_failure_limit=args.same_failure_limit,
             backoff_s=args.backoff,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            launcher=shlex.split(args.launcher) if args.launcher else None,
             env=child_environment(),
         )
         print(format_report(report))
@@ -204,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
         "corrupt-shard, slow; see docs/fault-tolerance.md",
     )
     tp.add_argument("--fault-seed", type=int, default=None, help="seed of random (p=P) faults")
+    tp.add_argument(
+        "--launcher",
+        help="with --supervise: the command that runs `tenx` (default `python -m tenx`), e.g. "
+        "'torchrun --nproc_per_node 2 -m tenx' to restart a whole multi-process job",
+    )
     tp.set_defaults(func=cmd_train)
 
     stp = sub.add_parser("status", help="progress, newest verified checkpoint, goodput and events of a run")

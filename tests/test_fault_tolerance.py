@@ -329,3 +329,54 @@ def test_status_command_reports_goodput(clean_run, capsys):
     out = capsys.readouterr().out
     assert "goodput" in out.lower() and "step_00000040" in out
     assert main(["status", str(clean_run / "nowhere")]) == 2
+
+
+def test_memory_tier_resumes_from_the_last_step_and_falls_back_when_damaged(tiny_data, tmp_path, clean_run):
+    """Snapshots every step to tmpfs: a kill loses ~1 step; a damaged snapshot falls back to the disk tier."""
+    run = tmp_path / "run"
+    memory = tmp_path / "shm"
+    faults = ["sigkill@step=15", "corrupt-checkpoint@step=27", "sigkill@step=27"]
+    args = [
+        "train",
+        *TINY,
+        "--set",
+        f'data.dir="{tiny_data}"',
+        "--set",
+        "checkpoint.every=10",
+        "--run-dir",
+        str(run),
+    ]
+    args += ["--set", "checkpoint.memory_every=1", "--set", f'checkpoint.memory_dir="{memory}"']
+    args += ["--set", f"faults.inject={json.dumps(faults)}"]
+    report = supervise(args, run, max_restarts=5, backoff_s=0.0)
+    assert report.finished and [a.returncode for a in report.attempts] == [
+        -signal.SIGKILL,
+        -signal.SIGKILL,
+        0,
+    ]
+    assert 10 < report.attempts[1].start_step <= 14  # the newest snapshot whose write had finished
+    (damage,) = [e for e in read_events(run) if e.get("fault_kind") == "corrupt-checkpoint"]
+    assert damage["damaged"].startswith(str(memory / "step_00000026"))
+    assert report.attempts[2].start_step == 20  # the damaged snapshot was skipped: disk checkpoint 20
+    assert _same_params(_final_params(run), _final_params(clean_run))
+    assert not memory.exists()  # freed when training finished
+
+
+def test_cli_supervise_with_a_launcher_and_status(tiny_data, tmp_path, capsys):
+    """`tenx train --supervise --launcher ...` restarts the launched command; the summary prints goodput."""
+    run = tmp_path / "run"
+    launcher = f"{sys.executable} -m tenx"
+    args = [
+        "train",
+        *TINY,
+        "--set",
+        f'data.dir="{tiny_data}"',
+        "--set",
+        "train.steps=12",
+        "--run-dir",
+        str(run),
+    ]
+    rc = main([*args, "--supervise", "--launcher", launcher, "--backoff", "0", "--fault", "crash@step=5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "crashed (exit 1)" in out and "finished after 1 restart(s)" in out and "goodput" in out
+    assert [e["kind"] for e in read_events(run)].count("restart") == 1

@@ -38,9 +38,14 @@ class Checkpointing(Callback):
     name = "checkpointing"
 
     def __init__(
-        self, every: int | str, at_end: bool = True, mtbf_s: float = 86400.0, auto_first_step: int = 10
+        self,
+        every: int | str,
+        at_end: bool = True,
+        mtbf_s: float = 86400.0,
+        auto_first_step: int = 10,
+        memory_every: int = 0,
     ) -> None:
-        self.every, self.at_end = every, at_end
+        self.every, self.at_end, self.memory_every = every, at_end, memory_every
         self.mtbf_s, self.auto_first_step = mtbf_s, auto_first_step
         self.last_saved = -1
         self.next_auto = 0
@@ -76,6 +81,11 @@ class Checkpointing(Callback):
             if self.every == "auto":
                 self._plan_next(trainer, blocked)
             self._last_time = time.perf_counter()  # the save's blocking is not step time
+        elif (
+            self.memory_every and trainer.step % self.memory_every == 0 and trainer.step < trainer.total_steps
+        ):
+            trainer.save_checkpoint(tier="memory")
+            self._last_time = time.perf_counter()
 
     def _plan_next(self, trainer: Trainer, blocked: float) -> None:
         self._save_cost = blocked if self._save_cost is None else 0.7 * self._save_cost + 0.3 * blocked

@@ -88,6 +88,14 @@ class CheckpointConfig:
         help="assumed mean time between failures for every='auto' (the run's observed MTBF replaces it)",
     )
     auto_first_step: int = field(10, help="every='auto': the first save, which measures the save cost")
+    memory_every: int = field(
+        0,
+        help="also snapshot every N steps to an in-memory tier (tmpfs) that survives a killed process, "
+        "not a lost machine; a resume takes the newest verified of both tiers (0: off)",
+    )
+    memory_dir: str = field(
+        "", help="directory of the in-memory tier (default: /dev/shm/tenx-<hash of the run directory>)"
+    )
 
     def validate(self) -> None:
         """Check ranges; names the offending field."""
@@ -98,6 +106,8 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{name}: must be >= 0, got {getattr(self, name)}")
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s: must be > 0, got {self.mtbf_s}")
+        if self.memory_every < 0:
+            raise ConfigError(f"checkpoint.memory_every: must be >= 0, got {self.memory_every}")
         if self.auto_first_step < 1:
             raise ConfigError(f"checkpoint.auto_first_step: must be >= 1, got {self.auto_first_step}")
 

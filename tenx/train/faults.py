@@ -14,7 +14,7 @@ Kinds:
   hang                stop making progress (sleep forever; the watchdog notices)
   nan                 make the step's loss non-finite (the logits become NaN)
   spike               multiply the step's logits by `factor` (default 100): its loss and gradients spike
-  corrupt-checkpoint  damage the newest checkpoint's largest file
+  corrupt-checkpoint  damage the newest checkpoint's largest file (of either tier, disk or memory)
   corrupt-shard       damage a training shard's bytes (the data directory is modified: drill on a copy)
                       and make the loader reopen its shards, as a restarted process would
   slow                sleep `seconds` (default 1.0) before the step: a straggler
@@ -237,14 +237,17 @@ class FaultInjector(Callback):
             self._record(trainer, spec, step, factor=factor)
             self._hooks.append(trainer.model.register_forward_hook(_scale_output(factor)))
         elif kind == "corrupt-checkpoint":
-            trainer.checkpointer.wait()
             from tenx.train.checkpoint import list_checkpoints
 
-            found = list_checkpoints(trainer.checkpoint_dir())
+            found = []
+            for checkpointer in (trainer.checkpointer, trainer.memory_checkpointer):
+                if checkpointer is not None:
+                    checkpointer.wait()
+                    found += list_checkpoints(checkpointer.root)
             if not found:
                 self._record(trainer, spec, step, damaged=None, note="no checkpoint yet")
                 return
-            newest = found[-1][1]
+            newest = max(found)[1]  # the newest of both tiers
             target = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
             self._record(trainer, spec, step, damaged=str(target))
             damage_file(target)

@@ -30,7 +30,7 @@ def default_callbacks(cfg: RunConfig, run_dir: Path, extra: list[Callback] | Non
     if cfg.log.progress:
         callbacks.append(Progress(cfg.log.print_every))
     c = cfg.checkpoint
-    callbacks.append(Checkpointing(c.every, c.at_end, c.mtbf_s, c.auto_first_step))
+    callbacks.append(Checkpointing(c.every, c.at_end, c.mtbf_s, c.auto_first_step, c.memory_every))
     return callbacks
 
 
@@ -48,6 +48,8 @@ def train(
             "or choose another --run-dir"
         )
     trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks))
+    if resume is None:
+        trainer.clear_memory_tier()  # snapshots of an earlier run that used this directory
     if resume is not None:
         path = trainer.resume(resume)
         print(

@@ -17,9 +17,12 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from tenx.train.guard import StepGuard
 from tenx.train.hooks import Callback
 from tenx.train.optim import build_optimizer, lr_at
 from tenx.train.watchdog import Watchdog
-from tenx.utils.io import atomic_write_json, atomic_write_text
+from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
 
 __all__ = ["Callback", "Trainer", "resolve_precision", "seed_everything"]
 
@@ -176,6 +179,11 @@ class Trainer:
             cfg.checkpoint.keep_last,
             cfg.checkpoint.keep_every,
             cfg.checkpoint.async_save,
+        )
+        self.memory_checkpointer = (
+            ckpt.AsyncCheckpointer(self.memory_checkpoint_dir(), keep_last=1, async_save=True)
+            if cfg.checkpoint.memory_every
+            else None
         )
         self.before_publish: list[Callable[[Path, int], None]] = []
         """Called with (temporary checkpoint dir, step) before each save is published (fault injection)."""
@@ -309,6 +317,7 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_end(self)
             self.checkpointer.wait()
+            self.clear_memory_tier()
             if self.ledger is not None:
                 self.ledger.end(self.step)
         finally:
@@ -377,6 +386,20 @@ class Trainer:
         """Where this run's checkpoints live."""
         return self.run_dir / "checkpoints"
 
+    def memory_checkpoint_dir(self) -> Path:
+        """The in-memory tier: tmpfs, keyed by the run directory, outliving the process but not the machine."""
+        if self.cfg.checkpoint.memory_dir:
+            return Path(self.cfg.checkpoint.memory_dir)
+        key = bytes_xxhash(str(self.run_dir.resolve()).encode())[:16]
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"tenx-{key}"
+
+    def clear_memory_tier(self) -> None:
+        """Free the in-memory tier (a fresh start, or training finished)."""
+        if self.memory_checkpointer is not None:
+            self.memory_checkpointer.wait()
+        shutil.rmtree(self.memory_checkpoint_dir(), ignore_errors=True)
+
     def _state_tensors(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Every tensor of the training state (for DCP), and the optimizer's plain-data param groups (JSON).
 
@@ -392,7 +415,7 @@ class Trainer:
             tensors["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
         return tensors, list(optim["param_groups"])  # type: ignore[arg-type]
 
-    def save_checkpoint(self) -> float:
+    def save_checkpoint(self, tier: str = "disk") -> float:
         """Save everything needed to continue this run bit for bit; returns the seconds the loop was blocked.
 
         With `checkpoint.async_save` the loop blocks only while the state is copied in memory; the files
@@ -414,13 +437,18 @@ class Trainer:
             "model": cfglib.to_dict(self.model_cfg),
             "data_tokenizer": self.data_manifest["tokenizer"],
             "tenx_version": tenx.__version__,
+            "run_id": self.run_id(),
         }
         hooks = list(self.before_publish)
-        self.checkpointer.save(
+        checkpointer = self.memory_checkpointer if tier == "memory" else self.checkpointer
+        assert checkpointer is not None, "checkpoint.memory_every is 0: there is no in-memory tier"
+        checkpointer.save(
             self.step,
             tensors,
             meta,
-            before_publish=(lambda tmp: _call_all(hooks, tmp, meta_step)) if hooks else None,
+            before_publish=(lambda tmp: _call_all(hooks, tmp, meta_step))
+            if hooks and tier == "disk"
+            else None,
         )
         blocked = time.perf_counter() - t0  # state dicts and metadata included, not just the snapshot
         if self.ledger is not None:
@@ -465,6 +493,14 @@ class Trainer:
         """`auto`: the newest checkpoint of this run that verifies (none: start fresh); else a path."""
         if how == "auto":
             path, skipped = ckpt.latest_verified(self.checkpoint_dir())
+            if self.memory_checkpointer is not None:
+                memory, skipped_memory = ckpt.latest_verified(self.memory_checkpoint_dir())
+                skipped += skipped_memory
+                if memory is not None and ckpt.read_checkpoint_meta(memory).get("run_id") != self.run_id():
+                    skipped.append(f"checkpoint {memory} belongs to an earlier run in this directory")
+                    memory = None
+                if memory is not None and (path is None or _step_of(memory) > _step_of(path)):
+                    path = memory
             for note in skipped:
                 print(f"tenx: skipping checkpoint that does not verify: {note}")
             if path is None:
@@ -473,6 +509,14 @@ class Trainer:
             path = Path(how)
         self.load_checkpoint(path)
         return path
+
+    def run_id(self) -> str:
+        """This run directory's identity (made on first use), so no other run's in-memory snapshot is loaded."""
+        path = self.run_dir / "run_id"
+        if not path.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, uuid.uuid4().hex)
+        return path.read_text().strip()
 
     def write_provenance(self) -> None:
         """Record the resolved config, version, commit and hardware in the run directory."""
@@ -503,6 +547,10 @@ class Trainer:
 
 
 _SIGUSR1 = getattr(signal, "SIGUSR1", None)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[-1])
 
 
 def _call_all(hooks: list[Callable[[Path, int], None]], tmp: Path, step: int) -> None:
