@@ -36,6 +36,12 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
+def _train_args(data_dir, run_dir, *overrides: str) -> list[str]:
+    """`tenx train` arguments of the tiny config on `data_dir` into `run_dir`, with `--set` overrides."""
+    sets = [x for item in (f'data.dir="{data_dir}"', *overrides) for x in ("--set", item)]
+    return ["train", *TINY, *sets, "--run-dir", str(run_dir)]
+
+
 def _final_params(run_dir) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_model(run_dir, "cpu").model.state_dict().items()}
 
@@ -183,16 +189,7 @@ def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_p
     """SIGKILL at 15, damage to checkpoint 20 at step 23, crash at 27: the final model equals the clean run's."""
     run = tmp_path / "run"
     faults = ["sigkill@step=15", "corrupt-checkpoint@step=23", "crash@step=27"]
-    args = [
-        "train",
-        *TINY,
-        "--set",
-        f'data.dir="{tiny_data}"',
-        "--set",
-        "checkpoint.every=10",
-        "--run-dir",
-        str(run),
-    ]
+    args = _train_args(tiny_data, run, "checkpoint.every=10")
     args += ["--set", f"faults.inject={json.dumps(faults)}"]
     report = supervise(args, run, max_restarts=5, backoff_s=0.0)
     assert report.finished and report.restarts == 2
@@ -235,16 +232,7 @@ def test_auto_checkpoint_interval_follows_young_daly(tiny_config, tiny_data, tmp
 # ----- hangs, data, supervisor policy ----------------------------------------------------------------
 def test_hang_is_detected_dumped_and_restarted(tiny_data, tmp_path):
     run = tmp_path / "run"
-    args = [
-        "train",
-        *TINY,
-        "--set",
-        f'data.dir="{tiny_data}"',
-        "--set",
-        "train.steps=20",
-        "--run-dir",
-        str(run),
-    ]
+    args = _train_args(tiny_data, run, "train.steps=20")
     args += [
         "--set",
         "checkpoint.every=10",
@@ -336,16 +324,7 @@ def test_memory_tier_resumes_from_the_last_step_and_falls_back_when_damaged(tiny
     run = tmp_path / "run"
     memory = tmp_path / "shm"
     faults = ["sigkill@step=15", "corrupt-checkpoint@step=27", "sigkill@step=27"]
-    args = [
-        "train",
-        *TINY,
-        "--set",
-        f'data.dir="{tiny_data}"',
-        "--set",
-        "checkpoint.every=10",
-        "--run-dir",
-        str(run),
-    ]
+    args = _train_args(tiny_data, run, "checkpoint.every=10")
     args += ["--set", "checkpoint.memory_every=1", "--set", f'checkpoint.memory_dir="{memory}"']
     args += ["--set", f"faults.inject={json.dumps(faults)}"]
     report = supervise(args, run, max_restarts=5, backoff_s=0.0)
@@ -366,16 +345,7 @@ def test_cli_supervise_with_a_launcher_and_status(tiny_data, tmp_path, capsys):
     """`tenx train --supervise --launcher ...` restarts the launched command; the summary prints goodput."""
     run = tmp_path / "run"
     launcher = f"{sys.executable} -m tenx"
-    args = [
-        "train",
-        *TINY,
-        "--set",
-        f'data.dir="{tiny_data}"',
-        "--set",
-        "train.steps=12",
-        "--run-dir",
-        str(run),
-    ]
+    args = _train_args(tiny_data, run, "train.steps=12")
     rc = main([*args, "--supervise", "--launcher", launcher, "--backoff", "0", "--fault", "crash@step=5"])
     out = capsys.readouterr().out
     assert rc == 0 and "crashed (exit 1)" in out and "finished after 1 restart(s)" in out and "goodput" in out

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.monitor.events import EventLog
-from tenx.monitor.goodput import Ledger
+from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.train.watchdog import EXIT_HANG
 
 EXIT_USAGE = 2
@@ -87,21 +87,13 @@ class SupervisorReport:
 def _steps_of(run_dir: Path, pid: int) -> tuple[int | None, int | None]:
     """(resumed-at step, last completed step) that process `pid` wrote to the run's ledger."""
     start = last = None
-    try:
-        with open(run_dir / "ledger.jsonl") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("pid") != pid:
-                    continue
-                if rec.get("kind") == "start":
-                    start = int(rec["step"])
-                elif rec.get("kind") == "step":
-                    last = int(rec["step"])
-    except OSError:
-        pass
+    for rec in read_ledger(run_dir):
+        if rec.get("pid") != pid:
+            continue
+        if rec["kind"] == "start":
+            start = int(rec["step"])
+        elif rec["kind"] == "step":
+            last = int(rec["step"])
     return start, last if last is not None else start
 
 
