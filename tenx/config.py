@@ -220,12 +220,21 @@ def _toml_value(value: Any) -> str:
 
 
 def dumps_toml(cfg: Any) -> str:
-    """TOML text of a config tree of depth two (sections of scalars), readable by `load`."""
+    """TOML text of a config tree (sections of scalars, nested sections as [a.b]), readable by `load`."""
     lines: list[str] = []
-    for section, values in to_dict(cfg).items():
+
+    def section(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"\n[{name}]")
+        nested = {k: v for k, v in values.items() if isinstance(v, dict)}
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in nested)
+        for k, v in nested.items():
+            section(f"{name}.{k}", v)
+
+    top = to_dict(cfg)
+    for key, values in top.items():
         if not isinstance(values, dict):
-            lines.append(f"{section} = {_toml_value(values)}")
-            continue
-        lines.append(f"\n[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+            lines.append(f"{key} = {_toml_value(values)}")
+    for key, values in top.items():
+        if isinstance(values, dict):
+            section(key, values)
     return "\n".join(lines).lstrip("\n") + "\n"

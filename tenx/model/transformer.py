@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from tenx.model.config import ModelConfig
@@ -130,6 +131,8 @@ class Transformer(nn.Module):
         if cfg.d_model is None or cfg.vocab_size is None:
             raise ValueError("Transformer needs a resolved ModelConfig (call cfg.resolved(vocab_size))")
         self.cfg = cfg
+        self.checkpoint_blocks = False
+        """Recompute each block's activations in backward instead of storing them (activation checkpointing)."""
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
@@ -168,7 +171,10 @@ class Transformer(nn.Module):
             x_BTD = x_BTD + self.pos_emb.weight[:T]
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
         for block in self.blocks:
-            x_BTD = block(x_BTD, rope)
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
+                x_BTD = torch.utils.checkpoint.checkpoint(block, x_BTD, rope, use_reentrant=False)
+            else:
+                x_BTD = block(x_BTD, rope)
         return self.lm_head(self.final_norm(x_BTD))
 
 

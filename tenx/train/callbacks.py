@@ -93,8 +93,11 @@ class Checkpointing(Callback):
         interval_s = max(
             young_daly_interval_s(self._save_cost, mtbf), trainer.checkpointer.last_write_s or 0.0
         )
-        steps = max(1, round(interval_s / max(self._step_s or 1e-9, 1e-9)))
-        if self.interval_steps is None or abs(steps - self.interval_steps) > 0.2 * self.interval_steps:
+        # Every rank must save at the same steps (saves are collective): rank 0's measurement decides.
+        steps = trainer.agree(max(1, round(interval_s / max(self._step_s or 1e-9, 1e-9))))
+        if trainer.rank == 0 and (
+            self.interval_steps is None or abs(steps - self.interval_steps) > 0.2 * self.interval_steps
+        ):
             trainer.events.emit(
                 "checkpoint-interval",
                 trainer.step,

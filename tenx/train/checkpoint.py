@@ -101,20 +101,56 @@ def save_checkpoint(
     meta: dict[str, Any],
     *,
     before_publish: Callable[[Path], None] | None = None,
+    process_group: Any = None,
+    rank: int = 0,
 ) -> Path:
     """Write `tensors` (nested state dicts) with DCP and `meta` as JSON; atomically publish step_N/.
 
     `before_publish` is called with the temporary directory once every file and the manifest are written
     and fsynced, just before the rename that publishes it (fault injection kills the process there).
+
+    Several ranks (`process_group` given): every rank calls this with its own shards (DTensors under
+    FSDP, replicated tensors under DDP, which DCP writes once). Rank 0 prepares the temporary directory,
+    every rank writes its files into it, and after DCP's final collective rank 0 hashes every file,
+    writes the manifest and publishes; a last barrier returns no rank before the checkpoint is published.
+    The directory must be on a filesystem every rank sees.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    distributed = process_group is not None
+    tmp = root / (f".{final.name}.tmp-dist" if distributed else f".{final.name}.tmp-{os.getpid()}")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier(group=process_group)
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=process_group)
+        if rank != 0:
+            dist.barrier(group=process_group)
+            return final
+    else:
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    try:
+        _publish(root, final, tmp, step, meta, before_publish)
+    finally:
+        if distributed:
+            dist.barrier(group=process_group)
+    return final
+
+
+def _publish(
+    root: Path,
+    final: Path,
+    tmp: Path,
+    step: int,
+    meta: dict[str, Any],
+    before_publish: Callable[[Path], None] | None,
+) -> None:
+    """Hash the written files, write the manifest and rename the temporary directory into place."""
     files = {
         p.name: {"bytes": p.stat().st_size, "xxhash": file_xxhash(p)}
         for p in sorted(tmp.iterdir())
@@ -132,7 +168,6 @@ def save_checkpoint(
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    return final
 
 
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
@@ -169,13 +204,25 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Verify, then load DCP tensors in place into `tensors`; returns the JSON manifest."""
-    meta = verify_checkpoint(path)
+def load_checkpoint(
+    path: str | Path, tensors: dict[str, Any], *, process_group: Any = None, verify: bool = True
+) -> dict[str, Any]:
+    """Verify, then load DCP tensors in place into `tensors`; returns the JSON manifest.
+
+    Several ranks: every rank calls this with its own (sharded) state; DCP reads what each rank needs,
+    whatever the number of ranks that saved it. `verify=False` skips the hashing when another rank
+    has just verified the same files.
+    """
+    meta = verify_checkpoint(path) if verify else read_checkpoint_meta(path)
     reader = SafeFileSystemReader(path)
     reader.read_metadata()  # refuses foreign pickled objects with a clear error, before DCP's own read
     try:
-        dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+        dcp.load(
+            tensors,
+            storage_reader=reader,
+            planner=TensorOnlyLoadPlanner(),
+            process_group=process_group,
+        )
     except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
         text = str(e).strip()
         last_line = text.splitlines()[-1] if text else type(e).__name__
@@ -331,9 +378,9 @@ class AsyncCheckpointer:
     The writer thread is not a daemon: a process that exits without `close()` still completes the save in
     flight. Killed mid-save, it leaves the previous checkpoints intact (see save_checkpoint).
 
-    Several ranks (a later issue): DCP's save is collective, and run on the default process group from a
-    background thread its collectives interleave with FSDP's and the run hangs; the background save needs
-    its own group, `dist.new_group(backend="gloo")` (measured in shared/notes/distributed-on-cpu.md).
+    Several ranks: DCP's save is collective, and run on the default process group from a background thread
+    its collectives interleave with FSDP's and the run hangs; so the saves get a group of their own,
+    `dist.new_group(backend="gloo")` (`process_group`). Rank 0 publishes and prunes.
     """
 
     last_blocking_s: float
@@ -346,9 +393,19 @@ class AsyncCheckpointer:
     """Checkpoints published so far."""
 
     def __init__(
-        self, root: str | Path, keep_last: int = 3, keep_every: int = 0, async_save: bool = True
+        self,
+        root: str | Path,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        *,
+        process_group: Any = None,
+        rank: int = 0,
     ) -> None:
         self.root = Path(root)
+        self.process_group = process_group
+        """Several ranks: a group of its own (gloo) for the saves' collectives, never the training one."""
+        self.rank = rank
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -430,8 +487,17 @@ class AsyncCheckpointer:
         before_publish: Callable[[Path], None] | None,
     ) -> Path:
         t0 = time.perf_counter()
-        path = save_checkpoint(self.root, step, tensors, meta, before_publish=before_publish)
-        prune_checkpoints(self.root, self.keep_last, self.keep_every, protect=path)
+        path = save_checkpoint(
+            self.root,
+            step,
+            tensors,
+            meta,
+            before_publish=before_publish if self.rank == 0 else None,
+            process_group=self.process_group,
+            rank=self.rank,
+        )
+        if self.rank == 0:
+            prune_checkpoints(self.root, self.keep_last, self.keep_every, protect=path)
         self.last_write_s = time.perf_counter() - t0
         self.last_path = path
         self.saves += 1

@@ -14,6 +14,7 @@ from tenx.model.config import ModelConfig
 from tenx.train.faults import FaultConfig
 from tenx.train.guard import GuardConfig
 from tenx.train.optim import OptimConfig
+from tenx.train.parallel import ParallelConfig
 from tenx.train.watchdog import WatchdogConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -40,7 +41,14 @@ class TrainConfig:
     steps: int | None = field(None, help="optimizer steps to train (or give `tokens`)")
     tokens: int | None = field(None, help="token budget; steps = ceil(tokens / tokens per step)")
     micro_batch: int = field(8, help="sequences per forward/backward on each rank")
-    grad_accum: int = field(1, help="micro-batches accumulated per optimizer step")
+    grad_accum: int = field(
+        1, help="micro-batches accumulated per optimizer step (derived from global_batch when that is set)"
+    )
+    global_batch: int | None = field(
+        None,
+        help="sequences per optimizer step over all ranks and replica groups; grad_accum becomes "
+        "global_batch / (micro_batch * ranks * groups), so the loss curve does not depend on the process count",
+    )
     seed: int = field(0, help="seed for initialisation and data order")
     device: str = field("auto", help="'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     precision: Literal["auto", "fp32", "bf16"] = field(
@@ -60,7 +68,7 @@ class TrainConfig:
             raise ConfigError("train.steps: set train.steps or train.tokens")
         if self.steps is not None and self.tokens is not None:
             raise ConfigError("train.steps: set only one of train.steps and train.tokens")
-        for name in ("steps", "tokens", "threads"):
+        for name in ("steps", "tokens", "threads", "global_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"train.{name}: must be >= 1, got {value}")
@@ -139,6 +147,23 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig, help="non-finite and loss-spike guard")
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig, help="hang detection")
     faults: FaultConfig = field(default_factory=FaultConfig, help="fault injection for drills and tests")
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig, help="data parallelism: torchrun DDP/FSDP, torchft replica groups"
+    )
+
+
+def accumulation_steps(train: TrainConfig, data_parallel: int) -> int:
+    """Micro-batches per optimizer step on each rank, with `data_parallel` ranks in all (groups included)."""
+    if train.global_batch is None:
+        return train.grad_accum
+    per_micro = train.micro_batch * data_parallel
+    if train.global_batch % per_micro:
+        raise ConfigError(
+            f"train.global_batch: {train.global_batch} sequences is not a multiple of micro_batch "
+            f"({train.micro_batch}) x data-parallel ranks ({data_parallel}) = {per_micro}; change "
+            "train.global_batch or train.micro_batch"
+        )
+    return train.global_batch // per_micro
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

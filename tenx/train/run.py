@@ -5,20 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tenx.errors import TenxError
 from tenx.monitor.metrics import MetricsLogger, Progress
+from tenx.plan.hardware import pick_device
 from tenx.train import checkpoint as ckpt
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.config import RunConfig
 from tenx.train.faults import build_injector
+from tenx.train.parallel import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.train.trainer import Callback, Trainer
 
 
-def default_callbacks(cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None) -> list[Callback]:
+def default_callbacks(
+    cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
+) -> list[Callback]:
     """The fault injector (when faults are configured), validation, `extra` callbacks, metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
-    after its hook for that step has run.
+    after its hook for that step has run. Metrics and progress are written by rank 0 only; every rank
+    validates and checkpoints (both are collective under FSDP).
     """
     injector = build_injector(cfg.faults)
     callbacks: list[Callback] = [
@@ -26,8 +33,9 @@ def default_callbacks(cfg: RunConfig, run_dir: Path, extra: list[Callback] | Non
         Validation(cfg.train.eval_every),
         *(extra or []),
     ]
-    callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
-    if cfg.log.progress:
+    if rank == 0:
+        callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
+    if cfg.log.progress and rank == 0:
         callbacks.append(Progress(cfg.log.print_every))
     c = cfg.checkpoint
     callbacks.append(Checkpointing(c.every, c.at_end, c.mtbf_s, c.auto_first_step, c.memory_every))
@@ -47,15 +55,27 @@ def train(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
         )
-    trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks))
-    if resume is None:
-        trainer.clear_memory_tier()  # snapshots of an earlier run that used this directory
-    if resume is not None:
-        path = trainer.resume(resume)
-        print(
-            f"tenx: resumed from {path} at step {trainer.step}"
-            if path
-            else "tenx: no checkpoint yet; starting fresh"
-        )
-    metrics = trainer.fit()
+    env = dist_env()
+    owns_group = init_distributed(env, rank_device(pick_device(cfg.train.device), env), cfg.parallel)
+    finished = False
+    try:
+        trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks, env.rank), env=env)
+        if resume is None and env.rank == 0:
+            trainer.clear_memory_tier()  # snapshots of an earlier run that used this directory
+        if resume is not None:
+            path = trainer.resume(resume)
+            if env.rank == 0:
+                print(
+                    f"tenx: resumed from {path} at step {trainer.step}"
+                    if path
+                    else "tenx: no checkpoint yet; starting fresh"
+                )
+        metrics = trainer.fit()
+        finished = True
+    finally:
+        if owns_group:
+            if finished:
+                shutdown_distributed()
+            else:  # a failed rank must not wait in a barrier for peers that may be gone
+                torch.distributed.destroy_process_group()
     return trainer, metrics

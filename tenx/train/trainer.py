@@ -12,6 +12,7 @@ hang watchdog, the goodput ledger (RUN_DIR/ledger.jsonl) and the event log (RUN_
 from __future__ import annotations
 
 import contextlib
+import datetime
 import faulthandler
 import json
 import math
@@ -53,10 +54,11 @@ from tenx.plan.hardware import (
     tune_cpu_allocator,
 )
 from tenx.train import checkpoint as ckpt
-from tenx.train.config import RunConfig
+from tenx.train.config import RunConfig, accumulation_steps
 from tenx.train.guard import StepGuard
 from tenx.train.hooks import Callback
 from tenx.train.optim import build_optimizer, lr_at
+from tenx.train.parallel import DistEnv, all_reduce_mean_, dist_env, full_value, rank_device, wrap_model
 from tenx.train.watchdog import Watchdog
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
 
@@ -98,21 +100,24 @@ class Trainer:
         run_dir: str | Path,
         callbacks: list[Callback] | None = None,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        env: DistEnv | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        env = env if env is not None else dist_env()
+        if env.world_size > 1 and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        ):
             raise TenxError(
-                f"world_size={world_size} needs an initialised process group (launch with torchrun)"
+                f"world_size={env.world_size} needs an initialised process group (launch with torchrun)"
             )
-        self.rank, self.world_size = rank, world_size
+        self.env = env
+        self.rank, self.world_size = env.rank, env.world_size
         self.callbacks = list(callbacks or [])
         tc = cfg.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        self.device = pick_device(tc.device)
+        self.device = rank_device(pick_device(tc.device), env)
         if self.device.type == "cpu" and tc.tune_allocator:
             tune_cpu_allocator()
         self.amp_dtype = resolve_precision(tc.precision, self.device)
@@ -140,25 +145,49 @@ class Trainer:
             > self.model_cfg.seq_len
             else None
         )
+        # Replica groups (torchft, across clusters): each group reads its own share of every global batch.
+        self.replicas: Any = None
+        groups, group_id = 1, 0
+        if cfg.parallel.replicas.mode != "off":
+            from tenx.train.replicas import Replicas
+
+            self.replicas = Replicas(
+                cfg.parallel.replicas,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                events=self.events,
+            )
+            groups, group_id = self.replicas.num_groups, self.replicas.group_id
+        self.data_parallel = self.world_size * groups
+        """Data-parallel workers in all: ranks of this job times replica groups."""
+        self.grad_accum = accumulation_steps(tc, self.data_parallel)
         self.loader = TokenLoader(
             self.train_stream,
             self.model_cfg.seq_len,
             tc.micro_batch,
             seed=tc.seed,
-            rank=rank,
-            world_size=world_size,
+            rank=group_id * self.world_size + self.rank,
+            world_size=self.data_parallel,
         )
-        self.model = Transformer(self.model_cfg).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.raw_model = Transformer(self.model_cfg).to(self.device)
+        """The transformer itself (under FSDP2 its parameters are DTensor shards)."""
+        self.model, self.strategy = wrap_model(self.raw_model, cfg.parallel, self.device, self.world_size)
+        """What forward and backward run through: the DDP wrapper, the FSDP2-sharded model or the model."""
+        self.optimizer = build_optimizer(self.raw_model, cfg.optim, self.device)
         self.forward = torch.compile(self.model) if tc.compile else self.model
+        self.after_reduce: list[Callable[[Trainer], None]] = []
+        """Called each step once gradients are reduced across ranks and groups, before clipping."""
+        self.state_generation = 0
+        """Incremented whenever the training state is loaded (resume, rollback, healing from a peer)."""
 
-        self.tokens_per_step = tc.micro_batch * tc.grad_accum * world_size * self.model_cfg.seq_len
+        self.tokens_per_step = tc.micro_batch * self.grad_accum * self.data_parallel * self.model_cfg.seq_len
         self.total_steps = (
             tc.steps if tc.steps is not None else math.ceil((tc.tokens or 0) / self.tokens_per_step)
         )
         self.params = count_params(self.model_cfg)
         self.flops_per_token = flops_per_token(self.model_cfg)
-        self.peak_flops = peak_flops(self.device, self.amp_dtype) * world_size
+        self.peak_flops = peak_flops(self.device, self.amp_dtype) * self.data_parallel
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None
@@ -174,20 +203,42 @@ class Trainer:
         )
         for start, end in self._data_skips:
             self.loader.add_skip(start, end)
+        # Several ranks: checkpoints get a gloo group of their own, so a background save never interleaves
+        # its collectives with the training ones (shared/notes: async DCP on the default group hangs).
+        self.checkpoint_group: Any = (
+            torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)
+            )
+            if self.world_size > 1
+            else None
+        )
         self.checkpointer = ckpt.AsyncCheckpointer(
             self.checkpoint_dir(),
             cfg.checkpoint.keep_last,
             cfg.checkpoint.keep_every,
             cfg.checkpoint.async_save,
+            process_group=self.checkpoint_group,
+            rank=self.rank,
         )
+        memory_tier = bool(cfg.checkpoint.memory_every)
+        if memory_tier and not env.single_node:
+            memory_tier = False
+            if self.rank == 0:
+                print("tenx: checkpoint.memory_every needs every rank on one machine; in-memory tier off")
         self.memory_checkpointer = (
-            ckpt.AsyncCheckpointer(self.memory_checkpoint_dir(), keep_last=1, async_save=True)
-            if cfg.checkpoint.memory_every
+            ckpt.AsyncCheckpointer(
+                self.memory_checkpoint_dir(),
+                keep_last=1,
+                async_save=True,
+                process_group=self.checkpoint_group,
+                rank=self.rank,
+            )
+            if memory_tier
             else None
         )
         self.before_publish: list[Callable[[Path, int], None]] = []
         """Called with (temporary checkpoint dir, step) before each save is published (fault injection)."""
-        self.ledger = Ledger(self.run_dir) if rank == 0 else None
+        self.ledger = Ledger(self.run_dir) if self.rank == 0 else None
         self.watchdog = Watchdog(cfg.watchdog, self.run_dir, self.events)
 
     def _on_bad_shard(self, path: str, message: str) -> None:
@@ -204,35 +255,48 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over grad_accum micro-batches; returns the step's metrics."""
         t0 = time.perf_counter()
+        if self.replicas is not None:
+            self.replicas.begin_step()  # sync mode: the quorum; a group behind its peers heals here
         lr = lr_at(self.step, self.total_steps, self.cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        accum = self.cfg.train.grad_accum
+        accum = self.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.model.train()
         position = self.loader.position
         windows: list[int] = []
-        for _ in range(accum):
+        for i in range(accum):
             inputs, targets = self.loader.next_batch()
             windows.extend(self.loader.last_windows)
             inputs, targets = (
                 inputs.to(self.device, non_blocking=True),
                 targets.to(self.device, non_blocking=True),
             )
-            with self.autocast():
-                logits = self.forward(inputs)
-            loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
-            (loss / accum).backward()
+            with self._gradient_sync(i == accum - 1):
+                with self.autocast():
+                    logits = self.forward(inputs)
+                loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
+                (loss / accum).backward()
             loss_sum += ce.detach()
+        all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
+        if self.replicas is not None:
+            self.replicas.reduce_gradients(self.raw_model)  # sync mode: average across groups
+        for hook in self.after_reduce:
+            hook(self)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
+        grad_norm = full_value(norm).item()
         loss_value = (loss_sum / accum).item()
         verdict = self.guard.check(loss_value, grad_norm)
-        if verdict is None:
+        commit = self.replicas.should_commit() if self.replicas is not None else True
+        if verdict is None and commit:
             self.optimizer.step()
             self.guard.record_good(loss_value, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        if not commit:  # a peer group failed during the step: nobody applied it; the step is taken again
+            self.events.emit("step-not-committed", self.step + 1, rank=self.rank)
+            return {"step": self.step, "skipped": "not-committed", "loss": loss_value, "step_time_s": dt}
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         tokens_per_s = self.tokens_per_step / dt
@@ -247,6 +311,8 @@ class Trainer:
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
+        if self.replicas is not None:
+            metrics.update(self.replicas.end_step())
         if verdict is not None:
             metrics["skipped"] = verdict
             self._bad_step(verdict, loss_value, grad_norm, position, windows)
@@ -272,6 +338,22 @@ class Trainer:
             rank=self.rank,
         )
 
+    def _gradient_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager[Any]:
+        """Reduce gradients across ranks only on the last micro-batch of a step (accumulate locally before)."""
+        if self.strategy == "ddp" and not last_micro_batch:
+            return self.model.no_sync()  # type: ignore[operator]
+        if self.strategy == "fsdp" and self.grad_accum > 1:
+            self.model.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def agree(self, value: int) -> int:
+        """Rank 0's `value` on every rank (for decisions every rank must take alike, e.g. when to save)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.broadcast(t, src=0, group=self.checkpoint_group)
+        return int(t.item())
+
     @torch.no_grad()
     def validation_loss(self) -> float | None:
         """Mean loss (nats/token) over eval_batches micro-batches spread evenly over the validation split."""
@@ -287,17 +369,25 @@ class Trainer:
             _, ce = lm_loss(logits, targets.to(self.device))
             total += ce.item() * targets.numel()
             count += targets.numel()
+        if self.strategy == "fsdp":  # a forward without backward leaves the root's parameters gathered
+            self.model.reshard()  # type: ignore[operator]
         self.model.train()
         return total / count
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train until total_steps; returns the last step's metrics."""
-        self.write_provenance()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.write_provenance()
         stacks = open(self.run_dir / f"stacks-pid{os.getpid()}.txt", "w")
         if _SIGUSR1 is not None:  # `kill -USR1 PID` dumps every thread's stack into the run directory
             faulthandler.register(_SIGUSR1, file=stacks, all_threads=True)
         try:
+            if self.replicas is not None:
+                self.replicas.attach(
+                    self.raw_model, self.optimizer, self.replica_state_dict, self.load_replica_state_dict
+                )
             for cb in self.callbacks:
                 cb.on_train_start(self)
             if self.ledger is not None:
@@ -308,6 +398,8 @@ class Trainer:
                 for cb in self.callbacks:
                     cb.on_step_start(self)
                 metrics = self.train_step()
+                if metrics.get("skipped") == "not-committed":
+                    continue
                 for cb in self.callbacks:
                     cb.on_step_end(self, metrics)
                 self.checkpointer.poll()
@@ -317,11 +409,14 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_end(self)
             self.checkpointer.wait()
-            self.clear_memory_tier()
+            if self.rank == 0:
+                self.clear_memory_tier()
             if self.ledger is not None:
                 self.ledger.end(self.step)
         finally:
             self.watchdog.stop()
+            if self.replicas is not None:
+                self.replicas.close()
             if self.ledger is not None:
                 self.ledger.close()
             if _SIGUSR1 is not None:
@@ -438,6 +533,9 @@ class Trainer:
             "data_tokenizer": self.data_manifest["tokenizer"],
             "tenx_version": tenx.__version__,
             "run_id": self.run_id(),
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            **({"replicas": self.replicas.state_dict()} if self.replicas is not None else {}),
         }
         hooks = list(self.before_publish)
         checkpointer = self.memory_checkpointer if tier == "memory" else self.checkpointer
@@ -467,7 +565,7 @@ class Trainer:
             )
             raise CheckpointError(f"checkpoint {path} holds a different model ({diff})")
         tensors, _ = self._state_tensors()
-        meta = ckpt.load_checkpoint(path, tensors)
+        meta = ckpt.load_checkpoint(path, tensors, process_group=self.checkpoint_group, verify=self.rank == 0)
         set_model_state_dict(self.model, tensors["model"])
         set_optimizer_state_dict(
             self.model,
@@ -487,27 +585,68 @@ class Trainer:
         self._rollback_due = False
         for cb in self.callbacks:
             cb.load_state_dict(meta["callbacks"].get(cb.name, {}))
+        if self.replicas is not None and "replicas" in meta:
+            self.replicas.load_state_dict(meta["replicas"])
+        self.state_generation += 1
         self.resumed_from = Path(path)
 
+    # ----- healing from a live peer group (torchft) ----------------------------------------------------
+    def replica_state_dict(self) -> dict[str, Any]:
+        """Everything a healing replica group needs from a live peer: weights, optimizer, counters, data position."""
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            "trainer": {
+                "step": self.step,
+                "tokens": self.tokens_seen,
+                "loader": self.loader.state_dict(),
+                "guard": self.guard.state_dict(),
+            },
+        }
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a peer group's state (see replica_state_dict); the loader position is global, so it is ours too."""
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        trainer_state = state["trainer"]
+        self.step, self.tokens_seen = int(trainer_state["step"]), int(trainer_state["tokens"])
+        self.loader.load_state_dict(trainer_state["loader"])
+        for start, end in self._data_skips:
+            self.loader.add_skip(start, end)
+        self.guard.load_state_dict(trainer_state.get("guard", {}))
+        self.state_generation += 1
+
     def resume(self, how: str) -> Path | None:
-        """`auto`: the newest checkpoint of this run that verifies (none: start fresh); else a path."""
+        """`auto`: the newest checkpoint of this run that verifies (none: start fresh); else a path.
+
+        Several ranks: rank 0 chooses (and verifies) and every rank loads its own shards of that one.
+        """
         if how == "auto":
-            path, skipped = ckpt.latest_verified(self.checkpoint_dir())
-            if self.memory_checkpointer is not None:
-                memory, skipped_memory = ckpt.latest_verified(self.memory_checkpoint_dir())
-                skipped += skipped_memory
-                if memory is not None and ckpt.read_checkpoint_meta(memory).get("run_id") != self.run_id():
-                    skipped.append(f"checkpoint {memory} belongs to an earlier run in this directory")
-                    memory = None
-                if memory is not None and (path is None or _step_of(memory) > _step_of(path)):
-                    path = memory
-            for note in skipped:
-                print(f"tenx: skipping checkpoint that does not verify: {note}")
+            path = self._newest_checkpoint() if self.rank == 0 else None
+            if self.world_size > 1:
+                box = [str(path) if path else None]
+                torch.distributed.broadcast_object_list(box, src=0, group=self.checkpoint_group)
+                path = Path(box[0]) if box[0] else None
             if path is None:
                 return None
         else:
             path = Path(how)
         self.load_checkpoint(path)
+        return path
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest checkpoint that verifies, of either tier; notes the ones that do not."""
+        path, skipped = ckpt.latest_verified(self.checkpoint_dir())
+        if self.memory_checkpointer is not None:
+            memory, skipped_memory = ckpt.latest_verified(self.memory_checkpoint_dir())
+            skipped += skipped_memory
+            if memory is not None and ckpt.read_checkpoint_meta(memory).get("run_id") != self.run_id():
+                skipped.append(f"checkpoint {memory} belongs to an earlier run in this directory")
+                memory = None
+            if memory is not None and (path is None or _step_of(memory) > _step_of(path)):
+                path = memory
+        for note in skipped:
+            print(f"tenx: skipping checkpoint that does not verify: {note}")
         return path
 
     def run_id(self) -> str:
@@ -541,6 +680,9 @@ class Trainer:
                     "train_tokens": len(self.train_stream),
                 },
                 "world_size": self.world_size,
+                "strategy": self.strategy,
+                "data_parallel": self.data_parallel,
+                "grad_accum": self.grad_accum,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             },
         )

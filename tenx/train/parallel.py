@@ -1,0 +1,212 @@
+"""Parallelism inside one cluster: torchrun process groups, DDP and FSDP2, on PyTorch's own engine.
+
+`torchrun --nproc_per_node N -m tenx train ...` sets RANK, WORLD_SIZE, LOCAL_RANK and a rendezvous
+store in the environment; `init_distributed` joins that process group (gloo on CPU, NCCL on GPU) and
+`wrap_model` applies `parallel.strategy`:
+
+- `ddp`: `torch.nn.parallel.DistributedDataParallel`; every rank holds the whole model and optimizer
+  and gradients are averaged by all-reduce (bucketed, overlapped with backward).
+- `fsdp`: FSDP2 `fully_shard` on each transformer block, then on the root; parameters, gradients and
+  optimizer state are sharded (DTensors) and gathered block by block. Optional mixed precision
+  (`parallel.mixed_precision = "bf16"`: bf16 parameters in compute, fp32 gradient reduction and master
+  weights) and activation checkpointing (recompute each block's activations in backward).
+
+The loader splits every global batch across ranks (and replica groups), so with a fixed
+`train.global_batch` the loss curve does not depend on the number of processes. Replica groups across
+clusters (torchft) are in tenx/train/replicas.py; replica consistency checks in consistency.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tenx.config import field
+from tenx.errors import ConfigError, TenxError
+from tenx.train.consistency import ConsistencyConfig
+from tenx.train.replicas import ReplicaConfig
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is split across processes (torchrun) and across clusters (torchft replica groups)."""
+
+    strategy: Literal["ddp", "fsdp"] = field(
+        "ddp",
+        help="with more than one process: 'ddp' (replicated model, all-reduced gradients) or 'fsdp' "
+        "(FSDP2 fully_shard: parameters, gradients and optimizer state sharded)",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        "auto", help="process-group backend; 'auto': NCCL when training on CUDA, else gloo"
+    )
+    mixed_precision: Literal["none", "bf16"] = field(
+        "none",
+        help="fsdp only: 'bf16' computes with bf16 parameters, reduces gradients and keeps master "
+        "weights in fp32 (train.precision then only sets autocast)",
+    )
+    activation_checkpointing: bool = field(
+        False, help="recompute each block's activations in backward instead of keeping them (saves memory)"
+    )
+    timeout_s: float = field(
+        600.0, help="collective timeout: a rank waiting this long for its peers fails instead of hanging"
+    )
+    consistency: ConsistencyConfig = field(
+        default_factory=ConsistencyConfig, help="replica consistency checks (silent data corruption)"
+    )
+    replicas: ReplicaConfig = field(
+        default_factory=ReplicaConfig, help="replica groups across clusters (torchft)"
+    )
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s: must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in its torchrun job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def single_node(self) -> bool:
+        """Whether every rank of the job runs on this machine."""
+        return self.local_world_size == self.world_size
+
+
+def dist_env() -> DistEnv:
+    """Rank and world size from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+
+    def number(name: str, default: int) -> int:
+        value = os.environ.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise TenxError(f"environment variable {name}={value!r} is not an integer") from None
+
+    world = number("WORLD_SIZE", 1)
+    rank = number("RANK", 0)
+    local_rank = number("LOCAL_RANK", rank if world > 1 else 0)
+    local_world = number("LOCAL_WORLD_SIZE", world)
+    if not 0 <= rank < world:
+        raise TenxError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return DistEnv(rank, world, local_rank, local_world)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The process-group backend for `parallel.backend` on `device`."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend: 'nccl' needs CUDA devices; use 'gloo' (or 'auto') on CPU")
+    return backend
+
+
+def init_distributed(env: DistEnv, device: torch.device, cfg: ParallelConfig) -> bool:
+    """Join the torchrun job's default process group when there is more than one rank.
+
+    Returns whether a process group was initialised here (so the caller knows to tear it down).
+    """
+    if env.world_size == 1 or dist.is_initialized():
+        return False
+    if not dist.is_available():
+        raise TenxError("this torch build has no torch.distributed; multi-process training is unavailable")
+    if "MASTER_ADDR" not in os.environ:
+        raise TenxError(
+            f"WORLD_SIZE={env.world_size} but no MASTER_ADDR: launch with torchrun "
+            "(torchrun --nproc_per_node N -m tenx train ...)"
+        )
+    backend = resolve_backend(cfg.backend, device)
+    kwargs: dict = {"timeout": datetime.timedelta(seconds=cfg.timeout_s)}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **kwargs)
+    return True
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly (a barrier first: FSDP2 otherwise sometimes aborts at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def rank_device(device: torch.device, env: DistEnv) -> torch.device:
+    """One GPU per local rank: `cuda` becomes `cuda:LOCAL_RANK` in a multi-process job."""
+    if device.type == "cuda" and env.world_size > 1 and device.index is None:
+        device = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def wrap_model(
+    model: nn.Module, cfg: ParallelConfig, device: torch.device, world_size: int
+) -> tuple[nn.Module, str]:
+    """Apply the parallel strategy; returns (module to call for forward/backward, strategy used).
+
+    One process: the model as it is ("none"). FSDP2 shards in place, so the returned module is `model`
+    itself with DTensor parameters; DDP returns a wrapper whose `.module` is `model`.
+    """
+    if cfg.activation_checkpointing:
+        model.checkpoint_blocks = True  # type: ignore[assignment]
+    if world_size == 1:
+        if cfg.mixed_precision != "none":
+            print("tenx: parallel.mixed_precision applies to fsdp only; one process trains as configured")
+        return model, "none"
+    if cfg.strategy == "ddp":
+        if cfg.mixed_precision != "none":
+            raise ConfigError(
+                "parallel.mixed_precision: only with parallel.strategy='fsdp' (ddp: use train.precision)"
+            )
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids), "ddp"
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    blocks = getattr(model, "blocks", None)
+    for block in blocks if blocks is not None else []:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, "fsdp"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 and single-process models are their own)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def all_reduce_mean_(
+    t: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Average `t` over the ranks, in place (SUM then divide: gloo has no AVG)."""
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t.div_(world_size)
+    return t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh), or `t` itself."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
