@@ -84,13 +84,21 @@ class SupervisorReport:
         return max(0, len(self.attempts) - 1)
 
 
-def _steps_of(run_dir: Path, pid: int) -> tuple[int | None, int | None]:
-    """(resumed-at step, last completed step) that process `pid` wrote to the run's ledger."""
+def _steps_of(run_dir: Path, attempt: int) -> tuple[int | None, int | None]:
+    """(resumed-at step, last completed step) that attempt `attempt` wrote to the run's ledger.
+
+    Records are attributed by position (after the supervisor's `launch` of that attempt), not by process
+    id: under a launcher such as torchrun the supervisor's child is the launcher, not the training rank.
+    """
     start = last = None
+    current = None
     for rec in read_ledger(run_dir):
-        if rec.get("pid") != pid:
+        if rec["kind"] == "launch":
+            current = rec.get("attempt")
             continue
-        if rec["kind"] == "start":
+        if current != attempt:
+            continue
+        if rec["kind"] == "start" and start is None:
             start = int(rec["step"])
         elif rec["kind"] == "step":
             last = int(rec["step"])
@@ -182,7 +190,7 @@ def supervise(
             returncode = _wait(child, run_dir, heartbeat_timeout_s, events, attempt)
             reason = describe_exit(returncode)
             ledger.exit(attempt, returncode, reason)
-            start_step, last_step = _steps_of(run_dir, child.pid)
+            start_step, last_step = _steps_of(run_dir, attempt)
             report.attempts.append(
                 Attempt(
                     attempt, child.pid, returncode, reason, start_step, last_step, time.monotonic() - started
