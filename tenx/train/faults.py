@@ -18,14 +18,19 @@ Kinds:
   corrupt-shard       damage a training shard's bytes (the data directory is modified: drill on a copy)
                       and make the loader reopen its shards, as a restarted process would
   slow                sleep `seconds` (default 1.0) before the step: a straggler
+  bitflip             flip one bit of one parameter on one rank (silent data corruption; the replica
+                      consistency checks of tenx/train/consistency.py should name the rank)
 
 Options: `count=C` (also fire at the C-1 following steps), `factor=F` (spike), `seconds=S` (slow,
 hang), `phase=step|save` (sigkill), `shard=I` (corrupt-shard: index in the split, default the shard
-holding the next training window), `rank=R` (only rank R fires; default 0).
+holding the next training window), `rank=R` (only rank R fires; default 0), and for bitflip
+`param=NAME` (a name of `model.named_parameters()`), `index=I` (an element of its local shard) and
+`bit=B` (default 20: a float32 mantissa bit, so the loss barely moves); the parameter and element
+not given are drawn from `faults.seed` and the step.
 
-The injector is a Callback beside the trainer: it acts from `on_step_start`, through a forward hook on
-the model for nan/spike, and through the trainer's `before_publish` hooks for saves. The math is
-never edited for it.
+The injector is a Callback beside the trainer: it acts from `on_step_start` (bitflip included),
+through a forward hook on the model for nan/spike, and through the trainer's `before_publish` hooks
+for saves. The math is never edited for it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ KINDS = (
     "corrupt-checkpoint",
     "corrupt-shard",
     "slow",
+    "bitflip",
 )
 _OPTIONS: dict[str, type] = {
     "count": int,
@@ -65,7 +71,11 @@ _OPTIONS: dict[str, type] = {
     "phase": str,
     "shard": int,
     "rank": int,
+    "param": str,
+    "bit": int,
+    "index": int,
 }
+_BITFLIP_OPTIONS = ("param", "bit", "index")
 
 
 class InjectedFault(RuntimeError):
@@ -101,6 +111,9 @@ class FaultSpec:
     phase: str = "step"
     shard: int | None = None
     rank: int = 0
+    param: str | None = None
+    bit: int = 20
+    index: int | None = None
 
     def fires_at(self, step: int, seed: int, index: int) -> bool:
         """Whether this fault is due when `step` is about to run (or be saved, for phase=save)."""
@@ -148,6 +161,13 @@ def parse_fault(text: str, where: str = "--fault") -> FaultSpec:
         raise ConfigError(f"{where}: phase must be 'step' or 'save' in {text!r}")
     if values.get("phase") == "save" and kind != "sigkill":
         raise ConfigError(f"{where}: phase=save is only for sigkill, in {text!r}")
+    misplaced = [k for k in _BITFLIP_OPTIONS if k in values and kind != "bitflip"]
+    if misplaced:
+        raise ConfigError(f"{where}: {', '.join(misplaced)} is only for bitflip, in {text!r}")
+    if not 0 <= values.get("bit", 0) < 64:
+        raise ConfigError(f"{where}: bit must be within [0, 64) in {text!r}")
+    if values.get("index", 0) < 0:
+        raise ConfigError(f"{where}: index must be >= 0 in {text!r}")
     if kind in ("slow", "hang") and "seconds" not in values:
         values["seconds"] = 1.0 if kind == "slow" else math.inf
     return FaultSpec(text=text, kind=kind, **values)
@@ -265,11 +285,60 @@ class FaultInjector(Callback):
             self._record(trainer, spec, step, damaged=str(target))
             damage_file(target)
             stream.reopen()
+        elif kind == "bitflip":
+            self._flip_bit(trainer, spec, step)
+
+    def _flip_bit(self, trainer: Trainer, spec: FaultSpec, step: int) -> None:
+        """Flip bit `spec.bit` of one element of one parameter's local shard, in place."""
+        import torch
+
+        params = dict(trainer.raw_model.named_parameters())
+        rng = random.Random(f"tenx-bitflip:{self.seed}:{step}")
+        if spec.param is None:
+            name = rng.choice([n for n, p in params.items() if _local(p).numel() > 0])
+        elif spec.param in params:
+            name = spec.param
+        else:
+            some = ", ".join(list(params)[:6])
+            raise ConfigError(f"{spec.text}: no parameter {spec.param!r}; parameters include {some}, ...")
+        local = _local(params[name]).detach()
+        width = 8 * local.element_size()
+        if spec.bit >= width:
+            raise ConfigError(f"{spec.text}: bit={spec.bit}, but {name} is {local.dtype} ({width} bits)")
+        index = spec.index if spec.index is not None else rng.randrange(max(1, local.numel()))
+        if not 0 <= index < local.numel():
+            raise ConfigError(f"{spec.text}: index={index}, but {name} has {local.numel()} elements here")
+        ints = local.view(-1).view(
+            {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width // 8]
+        )
+        mask = 1 << spec.bit if spec.bit < width - 1 else -(1 << spec.bit)  # the sign bit, as a signed int
+        before = local.view(-1)[index].item()
+        with torch.no_grad():
+            flipped = ints[index : index + 1] ^ mask
+            after = flipped.view(local.dtype).item()
+            self._record(
+                trainer,
+                spec,
+                step,
+                param=name,
+                index=index,
+                bit=spec.bit,
+                rank=trainer.rank,
+                before=before,
+                after=after,
+            )
+            ints[index : index + 1] = flipped
 
     def _on_save(self, tmp_dir: Path, step: int, trainer: Trainer) -> None:
         for spec in self._due(trainer, step, "save"):
             self._record(trainer, spec, step, phase="save", tmp_dir=str(tmp_dir))
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or `t`."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _scale_output(factor: float):

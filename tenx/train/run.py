@@ -13,6 +13,7 @@ from tenx.plan.hardware import pick_device
 from tenx.train import checkpoint as ckpt
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.config import RunConfig
+from tenx.train.consistency import ConsistencyCheck
 from tenx.train.faults import build_injector
 from tenx.train.parallel import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.train.trainer import Callback, Trainer
@@ -21,15 +22,18 @@ from tenx.train.trainer import Callback, Trainer
 def default_callbacks(
     cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
 ) -> list[Callback]:
-    """The fault injector (when faults are configured), validation, `extra` callbacks, metrics, checkpointing.
+    """The fault injector (when faults are configured), the replica consistency check (when
+    parallel.consistency.every > 0), validation, `extra` callbacks, metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
     after its hook for that step has run. Metrics and progress are written by rank 0 only; every rank
     validates and checkpoints (both are collective under FSDP).
     """
     injector = build_injector(cfg.faults)
+    consistency = cfg.parallel.consistency
     callbacks: list[Callback] = [
         *([injector] if injector else []),
+        *([ConsistencyCheck(consistency)] if consistency.every > 0 else []),
         Validation(cfg.train.eval_every),
         *(extra or []),
     ]
