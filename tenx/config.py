@@ -207,6 +207,30 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def field_reference(cls: type) -> str:
+    """Markdown tables of every field of a config tree, one per section (docs/config.md embeds this)."""
+
+    def esc(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    out: list[str] = []
+    current = None
+    for key, type_name, default, help_text in describe(cls):
+        section = key.rsplit(".", 1)[0]
+        if section != current:
+            if current is not None:
+                out.append("")
+            out += [
+                f"### `[{section}]`",
+                "",
+                "| key | type | default | meaning |",
+                "|-----|------|---------|---------|",
+            ]
+            current = section
+        out.append(f"| `{key}` | {esc(type_name)} | `{esc(default)}` | {esc(help_text)} |")
+    return "\n".join(out) + "\n"
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -86,3 +86,11 @@ def test_describe_lists_every_field_with_help():
     keys = {r[0] for r in rows}
     assert {"model.depth", "optim.lr", "train.steps", "data.dir", "checkpoint.every"} <= keys
     assert all(r[3] for r in rows), [r[0] for r in rows if not r[3]]
+
+
+def test_docs_field_reference_is_current():
+    """docs/config.md embeds tenx.config.field_reference(RunConfig) verbatim: every field, current help."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    assert cfglib.field_reference(RunConfig) in docs, (
+        "docs/config.md is out of date: paste tenx.config.field_reference(RunConfig) into its Field reference"
+    )
