@@ -217,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("run_dir", help="run directory")
     stp.set_defaults(func=cmd_status)
 
+    from tenx.train.lighthouse import add_lighthouse_parser
+
+    add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
+
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")
     ep.add_argument(

@@ -1,12 +1,45 @@
-"""Replica groups across clusters with torchft (stub: config only; the implementation follows)."""
+"""Replica groups across clusters with torchft: fault-tolerant data parallelism and DiLoCo.
+
+Each cluster is a replica group (itself a torchrun job, or one process). Groups find each other through
+torchft's lighthouse (`tenx lighthouse`), which forms a quorum of the live groups; every rank of a group
+runs a torchft `Manager` that joins the quorum, reconfigures a cross-group process group (gloo on CPU,
+NCCL on CUDA) and, when its group is behind, heals it with a live peer's state over torchft's HTTP
+checkpoint transport.
+
+- `sync`: every step begins with a quorum; gradients, already reduced within the group, are averaged across
+  the groups in the quorum (flat buckets); the optimizer steps only if every group's all-reduce succeeded
+  (`Manager.should_commit`), otherwise the trainer takes the step again with the groups still alive.
+- `diloco` / `streaming-diloco`: torchft's `DiLoCo`. Each group takes `sync_every` inner steps alone; then
+  the pseudo-gradients (weights at the last outer step minus the current ones) are averaged across groups
+  and an outer SGD Nesterov step is applied; streaming splits the model into `fragments` synced at
+  staggered steps. The outer step runs from `end_step`, i.e. after the trainer counted the inner step,
+  so that every state a peer sends or receives is a state between two trainer steps.
+
+Steps: the trainer's `step` counts inner optimizer steps in every mode. The torchft manager's step counts
+commits: one per trainer step in `sync`, one per (fragment) outer sync in the DiLoCo modes, plus one when a
+DiLoCo group joins. A group that starts (fresh or resumed from its own checkpoint) starts its manager at
+step 0 on purpose: any live peer is ahead of it, so it always heals from that peer before training with
+it. Bytes: `replica_bytes_sent` counts the payload this process hands to cross-group all-reduces while at
+least one other group is in the quorum (see docs/multi-cluster.md for the wire factor).
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import torch
+from torch import nn
 
 from tenx.config import field
-from tenx.errors import ConfigError
+from tenx.errors import ConfigError, TenxError
+
+GROUP_ENV = "TENX_REPLICA_GROUP"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 @dataclass
@@ -33,6 +66,17 @@ class ReplicaConfig:
         0, help="streaming-diloco: inner steps a fragment's all-reduce may overlap before it is applied"
     )
     timeout_s: float = field(60.0, help="collectives and quorum timeout (a dead peer is dropped after it)")
+    quorum_timeout_s: float = field(
+        1800.0,
+        help="longest wait for a quorum; a DiLoCo group that (re)joins waits for its peers' next outer "
+        "step, so this must exceed sync_every inner steps",
+    )
+    bucket_mb: float = field(
+        25.0, help="sync: gradients are all-reduced across groups in flat buckets this big"
+    )
+    manager_port: int = field(
+        0, help="port of the torchft manager server of this group's rank 0 (0: any free port)"
+    )
 
     def validate(self) -> None:
         """Check ranges; names the offending field."""
@@ -61,3 +105,405 @@ class ReplicaConfig:
                 )
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.replicas.timeout_s: must be > 0, got {self.timeout_s}")
+        if self.quorum_timeout_s <= 0:
+            raise ConfigError(f"parallel.replicas.quorum_timeout_s: must be > 0, got {self.quorum_timeout_s}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"parallel.replicas.bucket_mb: must be > 0, got {self.bucket_mb}")
+        if not 0 <= self.manager_port < 65536:
+            raise ConfigError(
+                f"parallel.replicas.manager_port: must be in [0, 65536), got {self.manager_port}"
+            )
+
+
+def resolve_group_id(cfg: ReplicaConfig) -> int:
+    """This group's id: env TENX_REPLICA_GROUP when set, else parallel.replicas.group_id."""
+    raw = os.environ.get(GROUP_ENV, "")
+    if not raw:
+        return cfg.group_id
+    try:
+        group_id = int(raw)
+    except ValueError:
+        raise TenxError(f"{GROUP_ENV}={raw!r}: must be an integer group id") from None
+    if not 0 <= group_id < cfg.groups:
+        raise TenxError(f"{GROUP_ENV}={group_id}: must be in [0, parallel.replicas.groups={cfg.groups})")
+    return group_id
+
+
+def resolve_lighthouse(cfg: ReplicaConfig) -> str:
+    """The lighthouse address: parallel.replicas.lighthouse, else env TORCHFT_LIGHTHOUSE."""
+    address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise TenxError(
+            f"parallel.replicas.mode={cfg.mode!r} needs a lighthouse: set parallel.replicas.lighthouse="
+            f"http://HOST:PORT (started with `tenx lighthouse --bind HOST:PORT`) or env {LIGHTHOUSE_ENV}"
+        )
+    if "://" not in address:
+        address = f"http://{address}"
+    return address
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (an FSDP2 DTensor's local shard, else the tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fragments(model: nn.Module, count: int) -> list[nn.Module]:
+    """The model's parameters cut into `count` contiguous fragments of about equal size (shared objects)."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    pieces: list[list[nn.Parameter]] = [[] for _ in range(count)]
+    seen = 0
+    for p in params:
+        pieces[min(count - 1, seen * count // max(total, 1))].append(p)
+        seen += p.numel()
+    if any(not piece for piece in pieces):
+        raise ConfigError(
+            f"parallel.replicas.fragments={count}: the model has too few parameter tensors ({len(params)})"
+        )
+    return [nn.ParameterList(piece) for piece in pieces]
+
+
+class Replicas:
+    """This process's side of the replica groups: torchft manager, cross-group reductions, DiLoCo, healing."""
+
+    def __init__(
+        self, cfg: ReplicaConfig, *, rank: int, world_size: int, device: torch.device, events: Any
+    ) -> None:
+        if cfg.mode == "off":
+            raise TenxError("parallel.replicas.mode='off': no replica groups to join")
+        self.cfg = cfg
+        self.rank, self.world_size, self.device, self.events = rank, world_size, device, events
+        self.group_id = resolve_group_id(cfg)
+        self.num_groups = cfg.groups
+        self.mode = cfg.mode
+        self.sync_every = cfg.sync_every if cfg.mode != "sync" else 1
+        self.lighthouse = resolve_lighthouse(cfg)
+        self.bytes_sent = 0
+        self.heals = 0
+        self.outer_steps = 0
+        self.participants = 0
+        self._groups_seen: tuple[int, ...] = ()
+        self._manager: Any = None
+        self._pg: Any = None
+        self._store: Any = None
+        self._diloco: Any = None
+        self._phase = "attach"
+        self._pending_join: dict[str, Any] | None = None
+        self._quorum_started = 0.0
+        self._wait_s = 0.0
+        self._state_dict_fn: Callable[[], dict] | None = None
+
+    # ----- setup ----------------------------------------------------------------------------------
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state_dict: Callable[[], dict],
+        load_state_dict: Callable[[dict], None],
+    ) -> None:
+        """Start the manager (and DiLoCo); a DiLoCo group joins its peers here, healing from one if behind."""
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        replicas = self
+        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
+
+        class CountingManager(Manager):
+            """Counts the payload of every cross-group all-reduce that has another group to talk to."""
+
+            def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                work = super().allreduce(tensor, *args, **kwargs)
+                if self.num_participants() > 1 and not self.errored():
+                    replicas.bytes_sent += tensor.numel() * tensor.element_size()
+                return work
+
+        pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
+
+        class TrackedPG(pg_class):  # type: ignore[valid-type,misc]
+            """Remembers which groups the manager configured it with (for the replica-quorum event)."""
+
+            def configure(self, *args: Any, **kwargs: Any) -> None:
+                ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None)
+                if ranks:
+                    replicas._groups_seen = tuple(sorted({r // replicas.world_size for r in ranks}))
+                super().configure(*args, **kwargs)
+
+        store_addr, store_port = self._group_store()
+        self._pg = TrackedPG(timeout=timeout)
+        self._state_dict_fn = state_dict
+
+        def save() -> dict[str, Any]:
+            replica_state = {"group": self.group_id, "phase": self._phase, "local_step": self._local_step()}
+            return {"trainer": state_dict(), "replicas": replica_state}
+
+        def load(state: dict[str, Any]) -> None:
+            self._heal(state, load_state_dict)
+
+        self._manager = CountingManager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.cfg.min_groups,
+            use_async_quorum=False,  # heal before the forward pass; DiLoCo requires it
+            timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=self.cfg.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=self.rank,
+            world_size=self.world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"tenx_group_{self.group_id}",  # torchft reads the group id from the trailing digits
+            port=self.cfg.manager_port or None,
+        )
+        self._manager.register_state_dict_fn("tenx", load, save)
+        if self.mode in ("diloco", "streaming-diloco"):
+            from torchft.local_sgd import DiLoCo
+
+            fragments = _fragments(model, self.cfg.fragments if self.mode == "streaming-diloco" else 1)
+            outer = [
+                torch.optim.SGD(
+                    frag.parameters(),
+                    lr=self.cfg.outer_lr,
+                    momentum=self.cfg.outer_momentum,
+                    nesterov=self.cfg.outer_momentum > 0,
+                )
+                for frag in fragments
+            ]
+            self._optimizer = optimizer
+            self._diloco = DiLoCo(
+                self._manager,
+                fragments,
+                optimizer,
+                outer,
+                sync_every=self.cfg.sync_every,
+                pin_memory=False,
+                use_bucketization=True,
+                fragment_sync_delay=self.cfg.fragment_sync_delay if self.mode == "streaming-diloco" else 0,
+            )
+            self._join()
+        self._phase = "step"
+
+    def _group_store(self) -> tuple[str, int]:
+        """The TCPStore of this group: torchrun's, or one this process starts on a free port."""
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ and "RANK" in os.environ:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if self.world_size > 1:
+            raise TenxError("replica groups of several processes must be started with torchrun")
+        self._store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        )
+        return "127.0.0.1", self._store.port
+
+    def _join(self) -> None:
+        """DiLoCo start: one quorum. Peers already training are at an outer step: heal and take it with them."""
+        self._start_quorum()
+        join = self._pending_join
+        self._pending_join = None
+        diloco = self._diloco
+        if join is not None and join["phase"] == "sync":
+            # Our peers are in the middle of an outer sync (their quorum is ours): contribute the same
+            # pseudo-gradient as the peer we healed from, so that the outer step is taken together.
+            diloco._local_step = join["local_step"]
+            self._phase = "sync"
+            before = self._manager.current_step()
+            diloco._fragments[diloco._current_fragment()].prepare_sync()
+            if diloco._local_step >= diloco._sync_every:
+                diloco._fragments[diloco._current_fragment()].perform_sync()
+                diloco._local_step = 0
+            self.outer_steps += self._manager.current_step() - before
+        else:
+            # Everybody starts here together (or alone): one commit, so that a group that starts later is
+            # behind and heals from us instead of being taken as an equal at step 0.
+            self._manager.should_commit()
+
+    def _local_step(self) -> int:
+        return int(self._diloco._local_step) if self._diloco is not None else 0
+
+    # ----- healing and quorums --------------------------------------------------------------------
+    def _trainer_step(self, state: dict[str, Any] | None = None) -> int | None:
+        """The trainer's step in its state dict (ours when `state` is None), for events; None if absent."""
+        if state is None:
+            if self._state_dict_fn is None:
+                return None
+            state = self._state_dict_fn()
+        inner = state.get("trainer") if isinstance(state, dict) else None
+        step = inner.get("step") if isinstance(inner, dict) else None
+        return int(step) if step is not None else None
+
+    def _heal(self, state: dict[str, Any], load_state_dict: Callable[[dict], None]) -> None:
+        """Take a live peer's state (called by torchft inside start_quorum, on the training thread)."""
+        before = self._trainer_step()
+        load_state_dict(state["trainer"])
+        peer = state["replicas"]
+        if self._diloco is not None:
+            self._diloco._local_step = int(peer["local_step"])
+            if self._phase == "attach":
+                self._pending_join = peer
+        self.heals += 1
+        seconds = time.perf_counter() - self._quorum_started
+        after = self._trainer_step(state["trainer"])
+        print(
+            f"tenx: replica group {self.group_id} healed from group {peer['group']}: step {before} -> "
+            f"{after} in {seconds:.2f}s",
+            flush=True,
+        )
+        self.events.emit(
+            "replica-heal",
+            after,
+            from_group=peer["group"],
+            group=self.group_id,
+            step_before=before,
+            step_after=after,
+            seconds=seconds,
+            rank=self.rank,
+        )
+
+    def _start_quorum(self) -> None:
+        """Join the next quorum (healing from a peer if behind); note a change of participants."""
+        self._quorum_started = time.perf_counter()
+        self._manager.start_quorum()
+        self._note_quorum()
+
+    def _note_quorum(self) -> None:
+        participants = self._manager.num_participants()
+        groups = self._groups_seen
+        if participants != self.participants:
+            self.participants = participants
+            if self.rank == 0:
+                print(
+                    f"tenx: replica quorum: {participants} of {self.num_groups} groups {list(groups)}",
+                    flush=True,
+                )
+            self.events.emit(
+                "replica-quorum",
+                self._trainer_step(),
+                participants=participants,
+                groups=list(groups),
+                group=self.group_id,
+                rank=self.rank,
+            )
+
+    # ----- the step -------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the forward pass. sync: the quorum (a group behind its peers heals here)."""
+        if self.mode == "sync":
+            t0 = time.perf_counter()
+            self._start_quorum()
+            self._wait_s += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """sync: average every gradient across the groups in the quorum, in flat buckets; diloco: nothing."""
+        if self.mode != "sync":
+            return
+        t0 = time.perf_counter()
+        grads: list[torch.Tensor] = []
+        for p in model.parameters():
+            if p.grad is None:  # every group must reduce the same buckets: a missing gradient is zero
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+        cap = int(self.cfg.bucket_mb * 2**20)
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if not buckets or size + nbytes > cap or buckets[-1][0].dtype != g.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += nbytes
+        flats = [torch.cat([g.reshape(-1) for g in bucket]) for bucket in buckets]
+        # A peer dying mid-all-reduce makes the work fail; torchft records the error, should_commit() then
+        # returns False and the trainer takes the step again, so a failed bucket is simply left as it is.
+        works = [self._manager.allreduce(flat) for flat in flats]
+        for work in works:
+            work.wait()
+        for bucket, flat in zip(buckets, flats):
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._wait_s += time.perf_counter() - t0
+
+    def should_commit(self) -> bool:
+        """Just before optimizer.step(): sync: did every group's reduction succeed; diloco: always."""
+        if self.mode == "sync":
+            t0 = time.perf_counter()
+            commit = bool(self._manager.should_commit())
+            self._wait_s += time.perf_counter() - t0
+            return commit
+        return True
+
+    def end_step(self) -> dict[str, float]:
+        """After the optimizer step: DiLoCo's inner-step count and, every sync_every steps, the outer step.
+
+        Returns the step's metrics; `replica_wait_s` is the time this step spent in quorums, cross-group
+        all-reduces, commits and outer steps (not in the trainer's `step_time_s` for the outer step).
+        """
+        t0 = time.perf_counter()
+        if self._diloco is not None:
+            before = self._manager.current_step()
+            self._phase = "sync"
+            try:
+                # DiLoCo's optimizer post-hook, called once per trainer step (also a step the guard skipped),
+                # so that every group counts the same steps and a sent state is one between trainer steps.
+                self._diloco._step_post_hook(self._optimizer, (), {})
+            finally:
+                self._phase = "step"
+            if self._diloco._local_step == 0 or self._manager.current_step() != before:
+                self._note_quorum()
+            self.outer_steps += self._manager.current_step() - before
+        wait_s, self._wait_s = self._wait_s + time.perf_counter() - t0, 0.0
+        return {
+            "replica_participants": float(self.participants),
+            "replica_bytes_sent": float(self.bytes_sent),
+            "replica_outer_steps": float(self.outer_steps),
+            "replica_heals": float(self.heals),
+            "replica_wait_s": wait_s,
+        }
+
+    def allreduce_sum_(self, t: torch.Tensor) -> None:
+        """Sum an integer tensor in place across the groups in the current quorum (ours alone if one failed)."""
+        from torch.distributed import ReduceOp
+
+        mine = t.clone()
+        work = self._manager.allreduce(t, reduce_op=ReduceOp.SUM)
+        if not work.wait() or self._manager.errored():
+            t.copy_(mine)  # a peer failed: only our own contribution is known (the step will not commit)
+
+    def allreduce_mean_(self, t: torch.Tensor) -> None:
+        """Average a float tensor in place across the groups in the current quorum (ours alone if one failed)."""
+        mine = t.clone()
+        work = self._manager.allreduce(t)  # torchft's default reduction: the mean over participants
+        if not work.wait() or self._manager.errored():
+            t.copy_(mine)
+
+    # ----- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters for the trainer's checkpoints (JSON). The manager step is informational: see module doc."""
+        return {
+            "manager_step": int(self._manager.current_step()) if self._manager is not None else 0,
+            "bytes_sent": self.bytes_sent,
+            "heals": self.heals,
+            "outer_steps": self.outer_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters; the manager starts at step 0 so that the group heals from a live peer."""
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+        self.heals = int(state.get("heals", 0))
+        self.outer_steps = int(state.get("outer_steps", 0))
+
+    def close(self) -> None:
+        """Shut the manager (its server and checkpoint transport) down."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+        if self._pg is not None:
+            try:
+                self._pg.abort(errored=False)
+            except Exception:  # noqa: BLE001 - a process group that never configured has nothing to abort
+                pass
+            self._pg = None
+        self._store = None

@@ -281,6 +281,8 @@ class Trainer:
         all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
         if self.replicas is not None:
             self.replicas.reduce_gradients(self.raw_model)  # sync mode: average across groups
+            if self.replicas.mode == "sync":  # one loss for every group, so every guard decides alike
+                self.replicas.allreduce_mean_(loss_sum)
         for hook in self.after_reduce:
             hook(self)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
@@ -293,12 +295,15 @@ class Trainer:
             self.optimizer.step()
             self.guard.record_good(loss_value, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
         if not commit:  # a peer group failed during the step: nobody applied it; the step is taken again
             self.events.emit("step-not-committed", self.step + 1, rank=self.rank)
+            dt = time.perf_counter() - t0
             return {"step": self.step, "skipped": "not-committed", "loss": loss_value, "step_time_s": dt}
         self.step += 1
         self.tokens_seen += self.tokens_per_step
+        # DiLoCo's inner-step count and, every sync_every steps, the outer step (part of this step's time)
+        replica_metrics = self.replicas.end_step() if self.replicas is not None else {}
+        dt = time.perf_counter() - t0
         tokens_per_s = self.tokens_per_step / dt
         metrics: dict[str, Any] = {
             "step": self.step,
@@ -311,8 +316,7 @@ class Trainer:
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
-        if self.replicas is not None:
-            metrics.update(self.replicas.end_step())
+        metrics.update(replica_metrics)
         if verdict is not None:
             metrics["skipped"] = verdict
             self._bad_step(verdict, loss_value, grad_norm, position, windows)
