@@ -189,8 +189,12 @@ def _kill_and_heal(tmp_path: Path, data_dir: Path, mode: str, steps: int, sync_e
 
 
 def _report(mode: str, run_dir: Path, heals: list[dict]) -> float:
-    """The survivor's time lost to the kill and the rejoin: its steps' excess over the median step, plus
-    the steps it had to take again; printed (pytest -s) and returned."""
+    """The survivor's time lost to the kill and the rejoin (its steps' excess over the median step, plus
+    the steps it had to take again), printed (pytest -s); returns its longest single stall.
+
+    The total is reported, not asserted: on a busy machine it sums the noise of hundreds of steps. The
+    longest stall is what shows whether the survivor waited for a timeout (10 s here) instead of the
+    lighthouse's 1 s heartbeat."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # sync: the quorum and all-reduces are inside step_time_s; diloco: the outer step (end_step) is not.
     times = [
@@ -201,10 +205,12 @@ def _report(mode: str, run_dir: Path, heals: list[dict]) -> float:
     typical = sorted(times)[len(times) // 2]
     retaken = sum(r["step_time_s"] for r in rows if r.get("skipped") == "not-committed")
     lost = sum(t - typical for t in times) + retaken
+    stall = max(times) - typical
     print(
-        f"\n{mode}: the survivor lost {lost:.2f}s; the restarted group healed in {heals[0]['seconds']:.2f}s"
+        f"\n{mode}: the survivor lost {lost:.2f}s (longest stall {stall:.2f}s); the restarted group healed "
+        f"in {heals[0]['seconds']:.2f}s"
     )
-    return lost
+    return stall
 
 
 # ----- the acceptance drills --------------------------------------------------------------------------
@@ -221,7 +227,7 @@ def test_diloco_group_killed_mid_run_heals_and_groups_end_identical(tiny_data, t
     # An outer step with a peer sends one fp32 model; the consistency check adds a few dozen bytes.
     outer = [d for d in deltas if d >= 1024]
     assert outer and all(0 <= d - 4 * params < 1024 for d in outer), sorted(set(deltas))
-    assert _report("diloco", tmp_path / "group0", heals) < 10
+    assert _report("diloco", tmp_path / "group0", heals) < 8, "the survivor waited for a timeout"
 
 
 @pytest.mark.timeout(240)
@@ -231,7 +237,7 @@ def test_sync_group_killed_mid_run_heals_and_groups_end_identical(tiny_data, tmp
     deltas = [b["replica_bytes_sent"] - a["replica_bytes_sent"] for a, b in zip(rows0, rows0[1:])]
     # every fp32 gradient, plus the step's loss (4 bytes), averaged so that every group's guard sees one loss
     assert sorted(deltas)[len(deltas) // 2] == 4 * params + 4, "a step with a peer sends every fp32 gradient"
-    assert _report("sync", tmp_path / "group0", heals) < 10
+    assert _report("sync", tmp_path / "group0", heals) < 8, "the survivor waited for a timeout"
 
 
 # ----- pieces -----------------------------------------------------------------------------------------
