@@ -132,6 +132,37 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     quickstart(args.out, steps=args.steps)
 
 
+def cmd_ladder(args: argparse.Namespace) -> None:
+    from tenx.scaling.ladder import LadderConfig, load_base, parse_budgets, run_ladder
+
+    lc = LadderConfig(
+        grid=args.grid,
+        tokens_per_param=args.tokens_per_param,
+        sizes=args.sizes,
+        unique_tokens=args.unique_tokens,
+        seeds=args.seeds,
+        eval_bytes=args.eval_bytes,
+        min_depth=args.min_depth,
+        max_depth=args.max_depth,
+    )
+    if args.budgets:
+        lc.budgets = parse_budgets(args.budgets)
+    argv = [a for a in sys.argv[1:]]
+    if "--emit" in argv:  # the same command without --emit collects the results after the cluster runs
+        i = argv.index("--emit")
+        del argv[i : i + 2]
+    run_ladder(
+        load_base(args.config, args.set),
+        lc,
+        args.out,
+        dry_run=args.dry_run,
+        emit=args.emit,
+        nproc=args.nproc,
+        nodes=args.nodes,
+        collect=shlex.join(["tenx", *argv]),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
@@ -247,6 +278,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--device", default="auto")
     sp.set_defaults(func=cmd_sample)
+
+    lp = sub.add_parser("ladder", help="plan and run a scaling ladder from FLOP budgets")
+    lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
+    lp.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the base config"
+    )
+    lp.add_argument(
+        "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 30x CPU ladder)"
+    )
+    lp.add_argument("--grid", choices=["isoflop", "ratio"], default="isoflop")
+    lp.add_argument("--tokens-per-param", type=float, default=20.0, help="the D/N ratio the grid centres on")
+    lp.add_argument("--sizes", type=int, default=3, help="isoflop: model sizes per budget")
+    lp.add_argument("--min-depth", type=int, default=1)
+    lp.add_argument("--max-depth", type=int, default=32)
+    lp.add_argument(
+        "--unique-tokens", type=int, default=None, help="cap distinct training tokens (repeats data)"
+    )
+    lp.add_argument("--seeds", type=int, default=1, help="seeds per run")
+    lp.add_argument("--eval-bytes", type=int, default=262144, help="bytes scored per split (0: whole split)")
+    lp.add_argument("--out", required=True, help="ladder directory (runs/, results.jsonl, plan.json)")
+    lp.add_argument("--dry-run", action="store_true", help="print the plan and estimated time; train nothing")
+    lp.add_argument(
+        "--emit", choices=["torchrun", "slurm"], help="write cluster launch scripts; train nothing"
+    )
+    lp.add_argument("--nproc", type=int, default=8, help="with --emit: processes (GPUs) per node")
+    lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
+    lp.set_defaults(func=cmd_ladder)
 
     qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
     qp.add_argument("--out", default="runs/quickstart", help="output directory")
