@@ -147,10 +147,11 @@ def cmd_ladder(args: argparse.Namespace) -> None:
     )
     if args.budgets:
         lc.budgets = parse_budgets(args.budgets)
-    argv = [a for a in sys.argv[1:]]
+    argv = list(args.argv)
     if "--emit" in argv:  # the same command without --emit collects the results after the cluster runs
         i = argv.index("--emit")
         del argv[i : i + 2]
+    argv = [a for a in argv if not a.startswith("--emit=")]
     run_ladder(
         load_base(args.config, args.set),
         lc,
@@ -161,6 +162,22 @@ def cmd_ladder(args: argparse.Namespace) -> None:
         nodes=args.nodes,
         collect=shlex.join(["tenx", *argv]),
     )
+
+
+def cmd_derisk(args: argparse.Namespace) -> None:
+    from tenx.scaling.derisk import derisk_from_args, run_derisk
+    from tenx.scaling.ladder import parse_budgets
+
+    dc = derisk_from_args(
+        args.config,
+        args.base,
+        args.change,
+        parse_budgets(args.budgets) if args.budgets else None,
+        args.seeds,
+        args.target,
+        args.set,
+    )
+    run_derisk(dc, args.out, dry_run=args.dry_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +323,28 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
     lp.set_defaults(func=cmd_ladder)
 
+    rp = sub.add_parser("derisk", help="add changes one at a time; check each gain persists across budgets")
+    rp.add_argument("--config", help="a derisk TOML file (e.g. configs/derisk/gpt2_to_llama.toml)")
+    rp.add_argument("--base", help="base run config (.toml or shipped name); overrides the file's")
+    rp.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the base config"
+    )
+    rp.add_argument(
+        "--change",
+        action="append",
+        default=[],
+        metavar="NAME:SECTION.KEY=VALUE[,...]",
+        help="a change (repeatable, stacked in the given order); replaces the file's changes",
+    )
+    rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
+    rp.add_argument("--seeds", type=int, default=None, help="seeds at the smallest budget")
+    rp.add_argument("--target", type=float, default=None, help="budget to extrapolate the multipliers to")
+    rp.add_argument(
+        "--out", required=True, help="output directory (ladder/, report.md, report.png, derisk.json)"
+    )
+    rp.add_argument("--dry-run", action="store_true", help="print the stack and its runs; train nothing")
+    rp.set_defaults(func=cmd_derisk)
+
     qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
     qp.add_argument("--out", default="runs/quickstart", help="output directory")
     qp.add_argument("--steps", type=int, default=None, help="override the quickstart config's steps")
@@ -316,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tenx` command."""
     args = build_parser().parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         args.func(args)
     except TenxError as e:

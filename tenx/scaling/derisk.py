@@ -1,0 +1,490 @@
+"""Derisking: add changes to a known-good config one at a time and check that each gain persists with scale.
+
+The stack is baseline, baseline + change 1, baseline + changes 1..2, ... Each config is trained at every
+budget (a `ratio` ladder; every config uses the baseline's depth at a budget, so a change is compared at
+equal shape). For change k and budget C its **effective compute multiplier** is
+
+    m = C_prev(L_k) / C_k
+
+where L_k is the change's held-out loss, C_k its training FLOPs and C_prev(L) the inverse of L(C) fitted
+to the previous config of the stack (its "known-good" baseline): how much more compute the config without
+the change would need to reach the same loss. m > 1 is a gain. The cumulative multiplier against the
+original baseline is reported beside it.
+
+Intervals come from the bootstrap of the baseline fit combined with seed noise: with `seeds` > 1 the
+smallest budget is trained with several seeds, and the pooled standard deviation of the loss across seeds
+is taken as every run's noise. The trend is the least-squares slope of log10 m against log10 C; the
+verdict per change is
+
+- *grows*: the gain rises by more than `tolerance` (as a factor per decade of compute), or a change that
+  does not help at the smallest budget helps at the largest;
+- *fades*: the gain falls by more than `tolerance` per decade but stays above 1 at the largest budget;
+- *reverses*: a gain at the smallest budget that is gone (m <= 1) at the largest or at the target budget;
+- *persists*: anything else that helps;
+- *hurts*: m <= 1 at every budget (a fifth verdict: no gain to persist).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tenx import config as cfglib
+from tenx.config import field
+from tenx.errors import ConfigError, TenxError
+from tenx.scaling.ladder import (
+    LadderConfig,
+    PlannedRun,
+    config_key,
+    ensure_data,
+    format_plan,
+    load_base,
+    plan_ladder,
+    run_one,
+)
+from tenx.utils.io import atomic_write_json, atomic_write_text
+
+Z95 = 1.959963984540054
+
+
+@dataclass
+class ChangeConfig:
+    """One candidate change: a name and the config overrides that make it."""
+
+    name: str = field("", help="short name, used in run names and the report")
+    set: list[str] = field(default_factory=list, help="overrides, e.g. ['model.pos=rope']")
+
+    def validate(self) -> None:
+        """Names must be usable in file names; a change must change something."""
+        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
+            raise ConfigError(f"change.name: {self.name!r} must be letters, digits, '-' or '_'")
+        if not self.set:
+            raise ConfigError(f"change {self.name!r}: 'set' is empty; give at least one section.key=value")
+        for item in self.set:
+            if "=" not in item or "." not in item.split("=", 1)[0]:
+                raise ConfigError(f"change {self.name!r}: {item!r} is not section.key=value")
+
+
+@dataclass
+class DeriskConfig:
+    """A derisking study: base config, changes in stacking order, budgets (a TOML file or flags)."""
+
+    base: str = field(
+        "ladder", help="base run config: a .toml path (relative to this file) or a shipped name"
+    )
+    set: list[str] = field(default_factory=list, help="overrides applied to the base config")
+    budgets: list[float] = field(default_factory=lambda: [1e12, 4e12, 1.6e13], help="training FLOP budgets")
+    change: list[ChangeConfig] = field(default_factory=list, help="the changes, in stacking order")
+    seeds: int = field(2, help="seeds at the smallest budget (noise estimate for the intervals)")
+    target: float | None = field(
+        None, help="budget the multipliers are extrapolated to (default: 100x the largest budget)"
+    )
+    tolerance: float = field(1.25, help="a trend steeper than this factor per decade is 'grows'/'fades'")
+    bootstrap: int = field(200, help="bootstrap resamples of each baseline fit")
+    ladder: LadderConfig = field(
+        default_factory=lambda: LadderConfig(grid="ratio"), help="how runs are shaped (grid is 'ratio')"
+    )
+
+    def validate(self) -> None:
+        """Check ranges and names; names the offending field."""
+        if len(self.budgets) < 2:
+            raise ConfigError("budgets: give at least 2 budgets (3 or more to see a trend)")
+        for i, b in enumerate(self.budgets):
+            if not (b > 0 and math.isfinite(b)):
+                raise ConfigError(f"budgets[{i}]: must be a positive number of FLOPs, got {b}")
+        if not self.change:
+            raise ConfigError("change: give at least one change (NAME:section.key=value)")
+        for c in self.change:
+            c.validate()
+        names = [c.name for c in self.change]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"change: names must be distinct, got {names}")
+        if self.seeds < 1:
+            raise ConfigError(f"seeds: must be >= 1, got {self.seeds}")
+        if self.tolerance <= 1:
+            raise ConfigError(f"tolerance: must be > 1 (a factor per decade), got {self.tolerance}")
+        if self.ladder.grid != "ratio":
+            raise ConfigError("ladder.grid: derisking trains one size per budget; use 'ratio'")
+
+
+def parse_change(text: str) -> ChangeConfig:
+    """'NAME:section.key=value[,section.key=value...]' -> ChangeConfig (validated)."""
+    name, sep, rest = text.partition(":")
+    if not sep:
+        raise ConfigError(f"--change {text!r}: expected NAME:section.key=value[,...]")
+    change = ChangeConfig(name=name.strip(), set=[s.strip() for s in _split_top(rest) if s.strip()])
+    change.validate()
+    return change
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes (values may be TOML lists or strings)."""
+    parts, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    return [*parts, cur]
+
+
+def load_derisk(path: str | Path) -> DeriskConfig:
+    """Read a derisk TOML file; a relative `base` path is taken relative to the file."""
+    path = Path(path)
+    cfg = cfglib.load(DeriskConfig, path)
+    base = Path(cfg.base)
+    if base.suffix == ".toml" and not base.is_absolute() and not base.exists():
+        cfg.base = str((path.parent / base).resolve())
+    return cfg
+
+
+# ----- planning --------------------------------------------------------------------------------------
+@dataclass
+class Stage:
+    """One config of the stack: 'baseline' or the name of the change it adds, and its runs."""
+
+    name: str
+    overrides: list[str]
+    runs: list[PlannedRun]
+
+
+def plan_derisk(dc: DeriskConfig) -> list[Stage]:
+    """The stack's configs and their runs; every config uses the baseline's depth at each budget."""
+    dc.validate()
+    lc = dataclasses.replace(dc.ladder, budgets=list(dc.budgets), seeds=1)
+    overrides = list(dc.set)
+    base = load_base(dc.base, overrides)
+    ensure_data(base, lc)
+    depths = {r.budget: r.depth for r in plan_ladder(base, lc, "baseline")}
+    stages = []
+    for name, extra in [("baseline", []), *[(c.name, c.set) for c in dc.change]]:
+        overrides = overrides + list(extra)
+        cfg = load_base(dc.base, overrides)
+        runs = []
+        for budget in dc.budgets:
+            one = dataclasses.replace(
+                lc, budgets=[budget], min_depth=depths[budget], max_depth=depths[budget]
+            )
+            runs += plan_ladder(cfg, one, name)
+        if dc.seeds > 1:
+            smallest = dataclasses.replace(
+                lc,
+                budgets=[min(dc.budgets)],
+                seeds=dc.seeds,
+                min_depth=depths[min(dc.budgets)],
+                max_depth=depths[min(dc.budgets)],
+            )
+            seen = {config_key(r.config) for r in runs}
+            runs += [r for r in plan_ladder(cfg, smallest, name) if config_key(r.config) not in seen]
+        stages.append(Stage(name, overrides, runs))
+    return stages
+
+
+# ----- analysis --------------------------------------------------------------------------------------
+def _inverse_compute(params: np.ndarray, names: list[str], loss: np.ndarray) -> np.ndarray:
+    """C at which L(C) = E + A C^-alpha reaches `loss`, for parameter rows (S, P); inf where loss <= E."""
+    col = {n: params[:, i] for i, n in enumerate(names)}
+    gap = loss - col["E"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(gap > 0, (col["A"] / np.where(gap > 0, gap, 1.0)) ** (1.0 / col["alpha"]), np.inf)
+    return out
+
+
+def analyse(stages: list[Stage], rows: dict[str, dict[str, Any]], dc: DeriskConfig) -> dict[str, Any]:
+    """Fits, multipliers with intervals, trends and verdicts from the runs' results (rows by key)."""
+    from tenx.scaling.fit import fit_compute
+
+    budgets = sorted(dc.budgets)
+    per_stage: list[dict[float, list[dict[str, Any]]]] = []
+    for st in stages:
+        by_budget: dict[float, list[dict[str, Any]]] = {b: [] for b in budgets}
+        for r in st.runs:
+            by_budget[r.budget].append(rows[config_key(r.config)])
+        per_stage.append(by_budget)
+    # seed noise: pooled standard deviation of held-out loss over the seeds at the smallest budget
+    groups = [s[budgets[0]] for s in per_stage if len(s[budgets[0]]) > 1]
+    dev = [r["heldout_loss"] - np.mean([x["heldout_loss"] for x in g]) for g in groups for r in g]
+    dof = sum(len(g) - 1 for g in groups)
+    sigma = float(math.sqrt(sum(d * d for d in dev) / dof)) if dof else 0.0
+
+    def points(stage: dict[float, list[dict[str, Any]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        C = np.array([np.mean([r["flops"] for r in stage[b]]) for b in budgets])
+        L = np.array([np.mean([r["heldout_loss"] for r in stage[b]]) for b in budgets])
+        n = np.array([len(stage[b]) for b in budgets])
+        return C, L, n
+
+    fits = []
+    for i, stage in enumerate(per_stage):
+        C, L, _ = points(stage)
+        fits.append(fit_compute(C, L, bootstrap=dc.bootstrap, seed=i))
+    rng = np.random.default_rng(0)
+    target = dc.target or 100 * budgets[-1]
+    logc = np.log10(np.array(budgets))
+    changes = []
+    for k in range(1, len(stages)):
+        C, L, n = points(per_stage[k])
+        entry: dict[str, Any] = {"name": stages[k].name, "overrides": stages[k].overrides, "budgets": []}
+        for ref_name, ref in (("marginal", k - 1), ("cumulative", 0)):
+            fit = fits[ref]
+            names = list(fit.params)
+            point = np.array([list(fit.params.values())])
+            ok = np.all(np.isfinite(fit.samples), axis=1)
+            samples = fit.samples[ok] if ok.any() else point
+            m_point = _inverse_compute(np.repeat(point, len(L), 0), names, L) / C
+            noise = rng.normal(0.0, 1.0, (len(samples), len(L))) * (sigma / np.sqrt(n))[None, :]
+            m_samples = np.stack(
+                [_inverse_compute(samples, names, L[j] + noise[:, j]) / C[j] for j in range(len(L))], axis=1
+            )
+            log_m = np.log10(np.clip(m_samples, 1e-300, 1e300))
+            slopes = np.polyfit(logc, log_m.T, 1)[0] if len(budgets) > 1 else np.zeros(len(log_m))
+            fin = np.isfinite(m_point) & (m_point > 0)
+            if fin.sum() >= 2:
+                slope, intercept = np.polyfit(logc[fin], np.log10(m_point[fin]), 1)
+            else:
+                slope, intercept = math.nan, math.nan
+            entry[ref_name] = {
+                "against": stages[ref].name,
+                "multipliers": [float(x) for x in m_point],
+                "low": [float(np.percentile(m_samples[:, j], 2.5)) for j in range(len(L))],
+                "high": [float(np.percentile(m_samples[:, j], 97.5)) for j in range(len(L))],
+                "slope_per_decade": float(slope),
+                "slope_interval": [float(np.percentile(slopes, 2.5)), float(np.percentile(slopes, 97.5))],
+                "at_target": float(10 ** (intercept + slope * math.log10(target)))
+                if fin.sum() >= 2
+                else math.nan,
+            }
+            entry[ref_name]["verdict"] = verdict(entry[ref_name], dc.tolerance)
+        entry["budgets"] = [
+            {"budget": b, "flops": float(C[j]), "heldout_loss": float(L[j]), "seeds": int(n[j])}
+            for j, b in enumerate(budgets)
+        ]
+        changes.append(entry)
+    return {
+        "budgets": budgets,
+        "target": target,
+        "seed_sigma": sigma,
+        "stages": [
+            {
+                "name": st.name,
+                "overrides": st.overrides,
+                "fit": fits[i].to_dict(),
+                "points": [
+                    {"budget": b, "flops": float(c), "heldout_loss": float(l), "seeds": int(m)}
+                    for b, c, l, m in zip(budgets, *points(per_stage[i]))
+                ],
+            }
+            for i, st in enumerate(stages)
+        ],
+        "changes": changes,
+    }
+
+
+def verdict(m: dict[str, Any], tolerance: float) -> str:
+    """persists | grows | fades | reverses | hurts, from the multipliers across budgets (see module doc)."""
+    first, last = m["multipliers"][0], m["multipliers"][-1]
+    slope = m["slope_per_decade"]
+    tol = math.log10(tolerance)
+    at_target = m["at_target"]
+    if first > 1:
+        if last <= 1 or (math.isfinite(at_target) and at_target <= 1):
+            return "reverses"
+        if slope > tol:
+            return "grows"
+        if slope < -tol:
+            return "fades"
+        return "persists"
+    if last > 1:
+        return "grows"
+    return "hurts"
+
+
+# ----- report ----------------------------------------------------------------------------------------
+def _fmt_m(m: float, lo: float, hi: float) -> str:
+    def f(x: float) -> str:
+        if not math.isfinite(x):
+            return "inf" if x > 0 else "nan"
+        return f"{x:.2f}" if x < 100 else f"{x:.3g}"
+
+    return f"{f(m)} [{f(lo)}, {f(hi)}]"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The Markdown report: losses by budget, multipliers with intervals, trends and verdicts."""
+    budgets = result["budgets"]
+    head = " | ".join(f"C = {b:.2g}" for b in budgets)
+    lines = [
+        "# Derisking report",
+        "",
+        "Held-out loss (nats/token) of each config of the stack (each row adds one change to the row above):",
+        "",
+        f"| config | {head} |",
+        "|---" * (len(budgets) + 1) + "|",
+    ]
+    for st in result["stages"]:
+        cells = " | ".join(
+            f"{p['heldout_loss']:.4f}" + (f" ({p['seeds']} seeds)" if p["seeds"] > 1 else "")
+            for p in st["points"]
+        )
+        lines.append(f"| {st['name']} | {cells} |")
+    lines += [
+        "",
+        "Effective compute multiplier of each change against the config before it (marginal) and against "
+        "the baseline (cumulative), with 95% intervals; > 1 is a gain. Trend: the factor by which the "
+        f"multiplier changes per decade of compute. Extrapolated to C = {result['target']:.2g}.",
+        "",
+        f"| change | against | {head} | trend per decade | at target | verdict |",
+        "|---" * (len(budgets) + 5) + "|",
+    ]
+    for ch in result["changes"]:
+        for ref in ("marginal", "cumulative"):
+            m = ch[ref]
+            cells = " | ".join(_fmt_m(x, lo, hi) for x, lo, hi in zip(m["multipliers"], m["low"], m["high"]))
+            lo, hi = m["slope_interval"]
+            trend = f"{10 ** m['slope_per_decade']:.2f}x [{10**lo:.2f}, {10**hi:.2f}]"
+            lines.append(
+                f"| {ch['name'] if ref == 'marginal' else ''} | {m['against']} | {cells} | {trend} | "
+                f"{m['at_target']:.2f} | **{m['verdict']}** |"
+            )
+    lines += [
+        "",
+        f"Seed noise (pooled std of held-out loss at the smallest budget): {result['seed_sigma']:.4f} nats/token.",
+        "Fits per config: L(C) = E + A*C^-alpha (a pure power law with fewer than 4 budgets); see derisk.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
+    """Left: held-out loss against compute for each config with its fit; right: multipliers by budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tenx.scaling.fit import FitResult
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
+    budgets = np.array(result["budgets"])
+    grid = np.geomspace(budgets[0] / 1.5, result["target"], 100)
+    for st in result["stages"]:
+        C = [p["flops"] for p in st["points"]]
+        L = [p["heldout_loss"] for p in st["points"]]
+        (line,) = ax1.plot(C, L, "o", label=st["name"])
+        f = st["fit"]
+        fit = FitResult(f["law"], f["form"], f["params"], {}, np.zeros((0, len(f["params"]))), 0, 0.0)
+        ax1.plot(grid, fit.predict(C=grid), "-", color=line.get_color(), lw=0.8, alpha=0.7)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("training FLOPs")
+    ax1.set_ylabel("held-out loss (nats/token)")
+    ax1.set_title("configs of the stack, with L(C) fits")
+    ax1.grid(alpha=0.3, which="both")
+    ax1.legend(fontsize=8)
+    for ch in result["changes"]:
+        m = ch["marginal"]
+        y = np.array(m["multipliers"])
+        err = np.array([y - np.array(m["low"]), np.array(m["high"]) - y])
+        bar = ax2.errorbar(budgets, y, yerr=np.clip(err, 0, None), fmt="o", capsize=3, label=ch["name"])
+        if math.isfinite(m["slope_per_decade"]) and math.isfinite(m["at_target"]):
+            xs = np.array([budgets[0], result["target"]])
+            ys = m["at_target"] * (xs / result["target"]) ** m["slope_per_decade"]
+            ax2.plot(xs, ys, "--", color=bar[0].get_color(), lw=0.8)
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("training FLOPs")
+    ax2.set_ylabel("effective compute multiplier (marginal)")
+    ax2.set_title("gain of each change, extrapolated to the target")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+# ----- the whole study -------------------------------------------------------------------------------
+def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
+    """Train every config of the stack at every budget (reusing runs already in OUT), analyse, report."""
+    out = Path(out)
+    stages = plan_derisk(dc)
+    if dry_run:
+        for st in stages:
+            print(f"{st.name}: {' '.join(st.overrides) or '(base config)'}")
+        print(format_plan([r for st in stages for r in st.runs]))
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
+    t0 = time.perf_counter()
+    runs = [r for st in stages for r in st.runs]
+    rows: dict[str, dict[str, Any]] = {}
+    for i, run in enumerate(runs, 1):
+        row = run_one(run, out / "ladder", dc.ladder)
+        rows[row["key"]] = row
+        state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
+        print(
+            f"[{i}/{len(runs)}] {run.name}: held-out {row['heldout_loss']:.4f} nats/token ({state})",
+            flush=True,
+        )
+    result = analyse(stages, rows, dc)
+    result["wall_s"] = time.perf_counter() - t0
+    atomic_write_json(out / "derisk.json", result)
+    report = format_report(result)
+    png = plot_report(result, out / "report.png")
+    atomic_write_text(out / "report.md", report + f"\n![multipliers]({png.name})\n")
+    print(report)
+    print(f"report: {out / 'report.md'}  plot: {png}  numbers: {out / 'derisk.json'}")
+    return result
+
+
+def derisk_from_args(
+    config: str | None,
+    base: str | None,
+    changes: list[str],
+    budgets: list[float] | None,
+    seeds: int | None,
+    target: float | None,
+    sets: list[str],
+) -> DeriskConfig:
+    """A DeriskConfig from a file and/or flags (flags win; --change flags replace the file's changes)."""
+    dc = load_derisk(config) if config else DeriskConfig()
+    if base:
+        dc.base = base
+    if sets:
+        dc.set = [*dc.set, *sets]
+    if changes:
+        dc.change = [parse_change(c) for c in changes]
+    if budgets:
+        dc.budgets = budgets
+    if seeds is not None:
+        dc.seeds = seeds
+    if target is not None:
+        dc.target = target
+    try:
+        cfglib.validate_tree(dc)
+    except ConfigError as e:
+        raise ConfigError(f"{config or 'derisk'}: {e}") from None
+    return dc
+
+
+def read_result(out: str | Path) -> dict[str, Any]:
+    """derisk.json of a finished study."""
+    path = Path(out) / "derisk.json"
+    if not path.exists():
+        raise TenxError(f"{path} does not exist; run `tenx derisk ... --out {out}` first")
+    return json.loads(path.read_text())
