@@ -285,8 +285,8 @@ def analyse(stages: list[Stage], rows: dict[str, dict[str, Any]], dc: DeriskConf
                 "overrides": st.overrides,
                 "fit": fits[i].to_dict(),
                 "points": [
-                    {"budget": b, "flops": float(c), "heldout_loss": float(l), "seeds": int(m)}
-                    for b, c, l, m in zip(budgets, *points(per_stage[i]))
+                    {"budget": b, "flops": float(c), "heldout_loss": float(loss), "seeds": int(m)}
+                    for b, c, loss, m in zip(budgets, *points(per_stage[i]))
                 ],
             }
             for i, st in enumerate(stages)
