@@ -19,7 +19,8 @@ verdict per change is
 - *grows*: the gain rises by more than `tolerance` (as a factor per decade of compute), or a change that
   does not help at the smallest budget helps at the largest;
 - *fades*: the gain falls by more than `tolerance` per decade but stays above 1 at the largest budget;
-- *reverses*: a gain at the smallest budget that is gone (m <= 1) at the largest or at the target budget;
+- *reverses*: a gain at the smallest budget that is gone (m <= 1) at the largest (the multiplier
+  extrapolated to the target budget is reported beside the verdict; a fading gain may cross 1 there);
 - *persists*: anything else that helps;
 - *hurts*: m <= 1 at every budget (a fifth verdict: no gain to persist).
 """
@@ -300,9 +301,8 @@ def verdict(m: dict[str, Any], tolerance: float) -> str:
     first, last = m["multipliers"][0], m["multipliers"][-1]
     slope = m["slope_per_decade"]
     tol = math.log10(tolerance)
-    at_target = m["at_target"]
     if first > 1:
-        if last <= 1 or (math.isfinite(at_target) and at_target <= 1):
+        if last <= 1:
             return "reverses"
         if slope > tol:
             return "grows"
