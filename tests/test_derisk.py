@@ -87,7 +87,7 @@ def test_multipliers_recover_known_gains_and_verdicts(tiny_config, tiny_data):
 
     dc = DeriskConfig(
         base=str(base),
-        set=[f'data.dir="{tiny_data}"', "log.progress=false"],
+        set=[f'data.dir="{tiny_data}"', "log.progress=false", "train.threads=1"],
         budgets=[3e10, 1e11, 3e11],
         change=[ChangeConfig(name=n, set=[f"optim.eps={i + 2}e-8"]) for i, n in enumerate(gains)],
         seeds=2,
@@ -102,7 +102,10 @@ def test_multipliers_recover_known_gains_and_verdicts(tiny_config, tiny_data):
         for r in st.runs:
             total = np.prod([gain(s.name, r.flops) for s in stages[1 : k + 1]])
             noise = rng.normal(0, 1e-4) if r.budget == min(dc.budgets) else 0.0
-            rows[config_key(r.config)] = {"flops": r.flops, "heldout_loss": float(_law(r.flops, total)) + noise}
+            rows[config_key(r.config)] = {
+                "flops": r.flops,
+                "heldout_loss": float(_law(r.flops, total)) + noise,
+            }
     result = analyse(stages, rows, dc)
     assert 0 < result["seed_sigma"] < 5e-4
     by = {c["name"]: c for c in result["changes"]}
@@ -137,10 +140,10 @@ def test_cli_derisk_end_to_end_writes_the_report(tiny_data, tmp_path, capsys):
     study = tmp_path / "study.toml"
     study.write_text(
         'base = "tiny"\n'
-        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false']\n"
+        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false', 'train.threads=1']\n"
         "budgets = [2e10, 4e10, 8e10]\nseeds = 2\nbootstrap = 50\n"
-        "[[change]]\nname = \"rope\"\nset = ['model.pos=\"rope\"']\n"
-        "[ladder]\ngrid = \"ratio\"\nmin_steps = 20\nmax_depth = 1\neval_bytes = 20000\n"
+        '[[change]]\nname = "rope"\nset = [\'model.pos="rope"\']\n'
+        '[ladder]\ngrid = "ratio"\nmin_steps = 20\nmax_depth = 1\neval_bytes = 20000\n'
     )
     out = tmp_path / "out"
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0

@@ -25,7 +25,7 @@ from tenx.train.faults import FaultConfig, InjectedFault
 
 
 def _base(tiny_config, tiny_data, *overrides):
-    return tiny_config(tiny_data, "train.micro_batch=8", *overrides)
+    return tiny_config(tiny_data, "train.micro_batch=8", "train.threads=1", *overrides)
 
 
 def test_isoflop_plan_spends_each_budget_and_follows_the_size_rules(tiny_config, tiny_data):
