@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tenx.train.lighthouse import add_lighthouse_parser
 
     add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
+    from tenx.scaling.fit import add_fit_parser
+
+    add_fit_parser(sub)  # `tenx fit`: scaling-law fits with bootstrap intervals
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")

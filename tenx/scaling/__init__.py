@@ -1,0 +1,1 @@
+"""Scaling laws: read run tables, fit loss laws with bootstrap intervals, extrapolate to larger runs."""

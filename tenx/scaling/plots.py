@@ -1,0 +1,142 @@
+"""The picture of a scaling fit: runs, fitted curves, and the extrapolation to held-out runs with its band."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tenx.utils.io import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from tenx.scaling.fit import FitResult
+    from tenx.scaling.table import Points
+
+
+def _curve_span(lo: float, hi: float, n: int = 120) -> np.ndarray:
+    return np.geomspace(lo, hi, n)
+
+
+def plot_fit(
+    fit: FitResult,
+    fitted: Points,
+    holdout: Points,
+    out_png: str | Path,
+    *,
+    target: dict[str, float] | None = None,
+    excluded: Points | None = None,
+    title: str = "",
+) -> Path:
+    """Loss against training compute: fitted runs, one fitted curve per model size, held-out runs and the
+    target with the bootstrap band of their extrapolation; saved (atomically) as a PNG."""
+    import io
+
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    c_all = np.concatenate([fitted.C, holdout.C, excluded.C if excluded is not None else []])
+    c_hi = float(c_all.max())
+    if target:
+        c_hi = max(c_hi, target.get("C", 6 * target.get("N", 0) * target.get("D", 0)))
+    cmap = plt.get_cmap("viridis")
+    if fit.law == "compute":
+        grid = _curve_span(float(c_all.min()) / 1.5, c_hi * 1.5)
+        ax.plot(grid, fit.predict(C=grid), color="C0", lw=1.5, label=f"fit: {fit.form}")
+        low, high = fit.predict_interval(C=grid)
+        ax.fill_between(grid, low, high, color="C0", alpha=0.2, lw=0, label=f"{fit.level:.0%} band")
+        from tenx.scaling.fit import _frontier
+
+        ax.scatter(fitted.C, fitted.L, s=18, facecolor="none", edgecolor="C0", zorder=3, label="runs")
+        best_c, best_l = _frontier(fitted)
+        ax.scatter(best_c, best_l, s=18, color="C0", zorder=3, label="best run per budget (fitted)")
+    else:
+        sizes = np.unique(np.concatenate([fitted.N, holdout.N]))
+        if target and "N" in target:
+            sizes = np.unique(np.append(sizes, target["N"]))
+        log_n = np.log(sizes)
+        span = max(float(np.ptp(log_n)), 1e-9)
+
+        def color(n: float) -> Any:
+            return cmap(0.85 * (np.log(n) - log_n.min()) / span)
+
+        # one curve per model size (per size and unique-token budget for the data-constrained law)
+        dc = fit.law == "data-constrained"
+        runs = [(n, u if dc else np.nan, d) for n, u, d in zip(fitted.N, fitted.U, fitted.D)]
+        runs += [(n, u if dc else np.nan, d) for n, u, d in zip(holdout.N, holdout.U, holdout.D)]
+        if target and {"N", "D"} <= target.keys():
+            runs.append((target["N"], target.get("U", target["D"]) if dc else np.nan, target["D"]))
+        fitted_sizes = set(fitted.N.tolist())
+        for n, u in sorted({(n, u) for n, u, _ in runs}, key=lambda k: (k[0], np.nan_to_num(k[1]))):
+            d_vals = np.array([d for nn, uu, d in runs if nn == n and (uu == u or np.isnan(u))])
+            d = _curve_span(float(d_vals.min()) / 1.5, float(d_vals.max()) * 1.5, 60)
+            kw: dict[str, Any] = {"U": u} if dc else {}
+            extrapolated = n not in fitted_sizes
+            ax.plot(
+                6 * n * d,
+                fit.predict(N=n, D=d, **kw),
+                color=color(n),
+                lw=1.2,
+                ls="--" if extrapolated else "-",
+            )
+            if extrapolated:
+                low, high = fit.predict_interval(N=n, D=d, **kw)
+                ax.fill_between(6 * n * d, low, high, color=color(n), alpha=0.2, lw=0)
+        ax.scatter(fitted.C, fitted.L, s=18, c=[color(n) for n in fitted.N], zorder=3, label="fitted runs")
+        if fit.law == "chinchilla":
+            from tenx.scaling.fit import compute_optimal
+
+            grid = _curve_span(float(c_all.min()), c_hi * 1.5, 40)
+            frontier = [compute_optimal(fit, float(c)) for c in grid]
+            ax.plot(grid, [f["loss"] for f in frontier], color="k", lw=1, ls=":", label="compute-optimal")
+    if len(holdout):
+        ax.scatter(
+            holdout.C, holdout.L, s=70, marker="*", color="C3", edgecolor="k", zorder=4, label="held-out runs"
+        )
+        if fit.law == "compute":
+            predicted = fit.predict(C=holdout.C)
+            low, high = fit.predict_interval(C=holdout.C)
+        else:
+            kw = {"U": holdout.U} if fit.law == "data-constrained" else {}
+            predicted = fit.predict(N=holdout.N, D=holdout.D, **kw)
+            low, high = fit.predict_interval(N=holdout.N, D=holdout.D, **kw)
+        yerr = np.array([predicted - low, high - predicted])
+        ax.errorbar(
+            holdout.C,
+            predicted,
+            yerr=np.where(np.isfinite(yerr), yerr, 0),
+            fmt="o",
+            mfc="none",
+            color="C3",
+            capsize=3,
+            zorder=4,
+            label="predicted",
+        )
+    if excluded is not None and len(excluded):
+        ax.scatter(excluded.C, excluded.L, s=22, marker="x", color="0.55", zorder=2, label="left out")
+    if target:
+        c_t = target.get("C", 6 * target.get("N", 0) * target.get("D", 0))
+        ax.axvline(c_t, color="C1", lw=1, ls="-.", label="target")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    # a loss axis spans well under a decade: plain numbers read better than powers of ten
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    ax.set_xlabel(
+        "training compute C = 6ND (FLOPs)" if fit.law != "compute" else "training compute C (FLOPs)"
+    )
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or f"{fit.law} fit")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    out_png = Path(out_png)
+    atomic_write_bytes(out_png, buffer.getvalue())
+    return out_png
