@@ -16,13 +16,15 @@ smallest budget is trained with several seeds, and the pooled standard deviation
 is taken as every run's noise. The trend is the least-squares slope of log10 m against log10 C; the
 verdict per change is
 
+Verdicts read the trend line (least squares of log m on log C) at the smallest and largest budget:
+
 - *grows*: the gain rises by more than `tolerance` (as a factor per decade of compute), or a change that
   does not help at the smallest budget helps at the largest;
 - *fades*: the gain falls by more than `tolerance` per decade but stays above 1 at the largest budget;
 - *reverses*: a gain at the smallest budget that is gone (m <= 1) at the largest (the multiplier
   extrapolated to the target budget is reported beside the verdict; a fading gain may cross 1 there);
 - *persists*: anything else that helps;
-- *hurts*: m <= 1 at every budget (a fifth verdict: no gain to persist).
+- *hurts*: m <= 1 at both ends of the trend line (a fifth verdict: no gain to persist).
 """
 
 from __future__ import annotations
@@ -297,8 +299,13 @@ def analyse(stages: list[Stage], rows: dict[str, dict[str, Any]], dc: DeriskConf
 
 
 def verdict(m: dict[str, Any], tolerance: float) -> str:
-    """persists | grows | fades | reverses | hurts, from the multipliers across budgets (see module doc)."""
-    first, last = m["multipliers"][0], m["multipliers"][-1]
+    """persists | grows | fades | reverses | hurts, from the multipliers across budgets (see module doc).
+
+    The trend line through the multipliers (`fitted`) is read at the smallest and largest budget, so
+    one noisy budget does not decide alone.
+    """
+    line = m.get("fitted") or m["multipliers"]
+    first, last = line[0], line[-1]
     slope = m["slope_per_decade"]
     tol = math.log10(tolerance)
     if first > 1:
