@@ -52,7 +52,12 @@ def test_verdicts(ms, expected):
     logc = np.log10([1e12, 1e13, 1e14])
     slope, intercept = np.polyfit(logc, np.log10(ms), 1)
     fitted = list(10 ** (intercept + slope * logc))
-    m = {"multipliers": ms, "slope_per_decade": slope, "at_target": 10 ** (intercept + slope * 15), "fitted": fitted}
+    m = {
+        "multipliers": ms,
+        "slope_per_decade": slope,
+        "at_target": 10 ** (intercept + slope * 15),
+        "fitted": fitted,
+    }
     assert verdict(m, 1.25) == expected
 
 
