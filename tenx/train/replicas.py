@@ -25,8 +25,12 @@ least one other group is in the quorum (see docs/multi-cluster.md for the wire f
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from torch import nn
 
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
+from tenx.train.peer_transport import PeerStateError, TensorTransport, read_secret, url_host
 
 GROUP_ENV = "TENX_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -77,6 +82,12 @@ class ReplicaConfig:
     manager_port: int = field(
         0, help="port of the torchft manager server of this group's rank 0 (0: any free port)"
     )
+    host: str = field(
+        "127.0.0.1",
+        help="the address this group listens on and gives its peers (its store, torchft manager server, "
+        "healing server and cross-group gloo): 127.0.0.1 when every group runs on this machine, this "
+        "machine's address on the network the groups share otherwise (docs/security.md)",
+    )
 
     def validate(self) -> None:
         """Check ranges; names the offending field."""
@@ -113,6 +124,11 @@ class ReplicaConfig:
             raise ConfigError(
                 f"parallel.replicas.manager_port: must be in [0, 65536), got {self.manager_port}"
             )
+        if not self.host or self.host.strip("[]") in ("0.0.0.0", "::", "*"):
+            raise ConfigError(
+                f"parallel.replicas.host: {self.host!r} is not one address: name the interface the groups "
+                "share (127.0.0.1 on one machine), so nothing listens on the others (docs/security.md)"
+            )
 
 
 def resolve_group_id(cfg: ReplicaConfig) -> int:
@@ -140,6 +156,64 @@ def resolve_lighthouse(cfg: ReplicaConfig) -> str:
     if "://" not in address:
         address = f"http://{address}"
     return address
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Any:
+    """While a torchft Manager is built: its server listens on `host`, not on every interface.
+
+    torchft 0.2 hard-codes the bind address `[::]:PORT` inside `Manager.__init__`; the server class is
+    looked up in `torchft.manager` at that moment, so it is swapped for one that rewrites the address.
+    """
+    import torchft.manager as tm
+
+    original = tm.ManagerServer
+
+    def on_host(*args: Any, bind: str, **kwargs: Any) -> Any:
+        port = bind.rpartition(":")[2]
+        return original(*args, bind=f"{url_host(host)}:{port}", **kwargs)
+
+    with _PATCH_LOCK:
+        tm.ManagerServer = on_host  # type: ignore[assignment,misc]
+        try:
+            yield
+        finally:
+            tm.ManagerServer = original  # type: ignore[misc]
+
+
+def _gloo_on_host(pg: Any, store: Any, rank: int, world_size: int, host: str) -> Any:
+    """torchft's ProcessGroupGloo._create_pg with one change: gloo's device listens on `host`."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroupGloo as BaseGloo
+
+    opts = BaseGloo._Options()
+    opts._timeout = pg._timeout
+    opts._devices = [BaseGloo.create_device(hostname=host.strip("[]"))]
+    base = ProcessGroup(store, rank, world_size)
+    base._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend = BaseGloo(store, rank, world_size, opts)
+    backend._set_sequence_number_for_group()
+    if pg._global_ranks:
+        backend.options.global_ranks_in_group = pg._global_ranks
+    if pg._group_rank and pg._group_world_size:
+        backend.options.group_name = (
+            f"torchft_quorum_{pg._quorum_id}_rank_{pg._group_rank % pg._group_world_size}"
+        )
+    base._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return base
+
+
+class _RefusalWithoutTraceback(logging.Filter):
+    """torchft logs a refused peer state with a traceback; tenx reports it as one clear line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], PeerStateError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -192,6 +266,9 @@ class Replicas:
         self._quorum_started = 0.0
         self._wait_s = 0.0
         self._state_dict_fn: Callable[[], dict] | None = None
+        self._transport: TensorTransport | None = None
+        self.host = cfg.host
+        logging.getLogger("torchft.manager").addFilter(_RefusalWithoutTraceback())
 
     # ----- setup ----------------------------------------------------------------------------------
     def attach(
@@ -219,14 +296,22 @@ class Replicas:
 
         pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
 
+        host = self.host
+
         class TrackedPG(pg_class):  # type: ignore[valid-type,misc]
-            """Remembers which groups the manager configured it with (for the replica-quorum event)."""
+            """Remembers which groups the manager configured it with (for the replica-quorum event);
+            gloo listens on `parallel.replicas.host` rather than on the interface of the machine's name."""
 
             def configure(self, *args: Any, **kwargs: Any) -> None:
                 ranks = kwargs.get("global_ranks", args[7] if len(args) > 7 else None)
                 if ranks:
                     replicas._groups_seen = tuple(sorted({r // replicas.world_size for r in ranks}))
                 super().configure(*args, **kwargs)
+
+            def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+                if pg_class is not ProcessGroupGloo:
+                    return super()._create_pg(store, rank, world_size)
+                return _gloo_on_host(self, store, rank, world_size, host)
 
         store_addr, store_port = self._group_store()
         self._pg = TrackedPG(timeout=timeout)
@@ -239,24 +324,29 @@ class Replicas:
         def load(state: dict[str, Any]) -> None:
             self._heal(state, load_state_dict)
 
-        self._manager = CountingManager(
-            pg=self._pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self.cfg.min_groups,
-            use_async_quorum=False,  # heal before the forward pass; DiLoCo requires it
-            timeout=timeout,
-            quorum_timeout=datetime.timedelta(seconds=self.cfg.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=self.rank,
-            world_size=self.world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=f"tenx_group_{self.group_id}",  # torchft reads the group id from the trailing digits
-            port=self.cfg.manager_port or None,
-        )
+        self._transport = TensorTransport(host, timeout, secret=read_secret(), template=self._own_state)
+        with _manager_server_on(host):
+            self._manager = CountingManager(
+                pg=self._pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self.cfg.min_groups,
+                use_async_quorum=False,  # heal before the forward pass; DiLoCo requires it
+                timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=self.cfg.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=self.rank,
+                world_size=self.world_size,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=self.lighthouse,
+                replica_id=f"tenx_group_{self.group_id}",  # torchft reads the group id from trailing digits
+                port=self.cfg.manager_port or None,
+                hostname=host,  # the address the lighthouse gives the other groups
+                checkpoint_transport=self._transport,  # tensors and JSON only, never a pickle
+            )
         self._manager.register_state_dict_fn("tenx", load, save)
+        self._announce_listening(store_addr, store_port)
         if self.mode in ("diloco", "streaming-diloco"):
             from torchft.local_sgd import DiLoCo
 
@@ -285,15 +375,62 @@ class Replicas:
         self._phase = "step"
 
     def _group_store(self) -> tuple[str, int]:
-        """The TCPStore of this group: torchrun's, or one this process starts on a free port."""
+        """The TCPStore of this group: torchrun's, or one this process starts on `host`.
+
+        Peers reach it too (torchft rendezvouses the cross-group process group through it). TCPStore
+        binds every interface when it opens its own socket, so it is handed one already listening on
+        `host` (`master_listen_fd`).
+        """
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ and "RANK" in os.environ:
             return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if self.world_size > 1:
             raise TenxError("replica groups of several processes must be started with torchrun")
-        self._store = torch.distributed.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        host = self.host.strip("[]")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+        except OSError as e:
+            sock.close()
+            raise TenxError(
+                f"parallel.replicas.host={self.host!r}: cannot listen there ({e}); give an address of "
+                "this machine (127.0.0.1 when every group runs here)"
+            ) from None
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the listening socket from here on and closes it
+        try:
+            self._store = torch.distributed.TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+                master_listen_fd=fd,
+            )
+        except Exception:
+            os.close(fd)
+            raise
+        return host, port
+
+    def _announce_listening(self, store_addr: str, store_port: int) -> None:
+        """Say what this process listens on (docs/security.md lists the same): print and event."""
+        server = self._manager._manager
+        listening = {
+            "healing": f"{url_host(self._transport.host)}:{self._transport.port}",
+            **({"manager": server.address().split("://")[-1]} if server is not None else {}),
+            **({"store": f"{url_host(store_addr)}:{store_port}"} if self._store is not None else {}),
+        }
+        print(
+            f"tenx: replica group {self.group_id} rank {self.rank} listens on "
+            + ", ".join(f"{k} {v}" for k, v in listening.items())
+            + f", and gloo on {self.host} (authenticated: {'yes' if self._transport.secret else 'no'})",
+            flush=True,
         )
-        return "127.0.0.1", self._store.port
+        self.events.emit("replica-listen", None, group=self.group_id, rank=self.rank, **listening)
+
+    def _own_state(self) -> dict[str, Any]:
+        """This process's state as torchft sends it: the template a peer's state is checked against."""
+        return self._manager._manager_state_dict()  # type: ignore[no-any-return]
 
     def _join(self) -> None:
         """DiLoCo start: one quorum. Peers already training are at an outer step: heal and take it with them."""
@@ -360,10 +497,30 @@ class Replicas:
         )
 
     def _start_quorum(self) -> None:
-        """Join the next quorum (healing from a peer if behind); note a change of participants."""
+        """Join the next quorum (healing from a peer if behind); note a change of participants.
+
+        A peer state the transport refused stops this group with that reason (TenxError), whatever
+        torchft made of the failed heal."""
         self._quorum_started = time.perf_counter()
-        self._manager.start_quorum()
+        try:
+            self._manager.start_quorum()
+        except Exception:
+            self._raise_refusal()
+            raise
+        self._raise_refusal()
         self._note_quorum()
+
+    def _raise_refusal(self) -> None:
+        refused = self._transport.refused if self._transport is not None else None
+        if refused is not None:
+            self.events.emit(
+                "replica-refused",
+                self._trainer_step(),
+                group=self.group_id,
+                rank=self.rank,
+                reason=str(refused),
+            )
+            raise TenxError(f"replica group {self.group_id}: {refused}") from None
 
     def _note_quorum(self) -> None:
         participants = self._manager.num_participants()
