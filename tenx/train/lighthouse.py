@@ -22,7 +22,7 @@ def parse_bind(bind: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
         raise TenxError(
             f"lighthouse --bind {bind!r}: expected ADDR:PORT with a port in [0, 65536), "
-            "e.g. 127.0.0.1:29510 (this host only) or 0.0.0.0:29510 (all interfaces)"
+            "e.g. 127.0.0.1:29510 (this host only) or 10.0.0.5:29510 (one interface of this host)"
         )
     if host.startswith("[") != host.endswith("]"):
         raise TenxError(f"lighthouse --bind {bind!r}: an IPv6 address goes in brackets, e.g. [::1]:29510")
@@ -79,6 +79,13 @@ def run_lighthouse(
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"tenx lighthouse: serving on {bind}; groups connect with", flush=True)
+        if parse_bind(bind)[0] in ("0.0.0.0", "[::]"):
+            print(
+                "tenx lighthouse: warning: listening on every interface, without authentication; anyone "
+                "who reaches this port can join or disturb quorums: bind one address on a network you "
+                "trust (docs/security.md)",
+                flush=True,
+            )
         print(
             f"  --set parallel.replicas.lighthouse={address}   (or env TORCHFT_LIGHTHOUSE={address})",
             flush=True,
@@ -117,7 +124,8 @@ def add_lighthouse_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--bind",
         required=True,
         metavar="ADDR:PORT",
-        help="where to listen: 127.0.0.1:PORT for one machine, 0.0.0.0:PORT for groups on other hosts",
+        help="where to listen: 127.0.0.1:PORT for one machine, ADDR:PORT with this machine's address on "
+        "the network the groups share otherwise (0.0.0.0:PORT listens on every interface; docs/security.md)",
     )
     lp.add_argument("--min-groups", type=int, default=1, help="fewest groups that form a quorum (default 1)")
     lp.add_argument(
