@@ -12,7 +12,7 @@ from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
-from tenx.train.trainer import resolve_precision
+from tenx.plan.hardware import resolve_precision
 from tenx.utils.io import atomic_write_json
 
 PREPARED_SPLITS = ("train", "val", "heldout")

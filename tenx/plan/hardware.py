@@ -48,6 +48,17 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype for 'auto' | 'fp32' | 'bf16' on `device`."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
 def cpu_name() -> str:
     """The CPU's model name, as the OS reports it."""
     try:

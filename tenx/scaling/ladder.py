@@ -364,7 +364,7 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.bpb import eval_texts
     from tenx.eval.load import load_model
-    from tenx.train.trainer import resolve_precision
+    from tenx.plan.hardware import resolve_precision
 
     loaded = load_model(run_dir, "auto")
     data_dir = loaded.data_dir
@@ -456,9 +456,8 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     import torch.nn.functional as F
 
     from tenx.model.transformer import Transformer
-    from tenx.plan.hardware import pick_device, tune_cpu_allocator
+    from tenx.plan.hardware import pick_device, resolve_precision, tune_cpu_allocator
     from tenx.train.optim import build_optimizer
-    from tenx.train.trainer import resolve_precision
 
     device = pick_device(cfg.train.device)
     if device.type == "cpu":
