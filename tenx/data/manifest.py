@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from tenx.errors import DataError
 from tenx.utils.io import file_xxhash
-
-if TYPE_CHECKING:
-    from tenx.data.tokenizer import Tokenizer
 
 FORMAT = "tenx-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -78,8 +75,16 @@ def verify_shard(data_dir: str | Path, shard: dict[str, Any]) -> None:
             )
 
 
+class Decoder(Protocol):
+    """What decoding documents needs of a tokenizer (tenx.data.tokenizer.Tokenizer is one)."""
+
+    eot_id: int
+
+    def decode(self, ids: Any) -> str: ...
+
+
 def split_documents_text(
-    data_dir: str | Path, manifest: dict[str, Any], split: str, tokenizer: Tokenizer
+    data_dir: str | Path, manifest: dict[str, Any], split: str, tokenizer: Decoder
 ) -> Iterator[str]:
     """Decode each document of `split` back to its text, in manifest order, using the shard indexes."""
     data_dir = Path(data_dir)
