@@ -42,16 +42,8 @@ import numpy as np
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.scaling.ladder import (
-    LadderConfig,
-    PlannedRun,
-    config_key,
-    ensure_data,
-    format_plan,
-    load_base,
-    plan_ladder,
-    run_one,
-)
+from tenx.scaling.ladder import config_key, ensure_data, load_base, run_one
+from tenx.scaling.planner import LadderConfig, PlannedRun, format_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
 Z95 = 1.959963984540054
@@ -376,6 +368,16 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label_axes(ax: Any, ylabel: str, title: str) -> None:
+    """Log training FLOPs on x, the labels and title, a grid and the legend."""
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+
+
 def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
     """Left: held-out loss against compute for each config with its fit; right: multipliers by budget."""
     import matplotlib
@@ -395,12 +397,7 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
         f = st["fit"]
         fit = FitResult(f["law"], f["form"], f["params"], {}, np.zeros((0, len(f["params"]))), 0, 0.0)
         ax1.plot(grid, fit.predict(C=grid), "-", color=line.get_color(), lw=0.8, alpha=0.7)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("training FLOPs")
-    ax1.set_ylabel("held-out loss (nats/token)")
-    ax1.set_title("configs of the stack, with L(C) fits")
-    ax1.grid(alpha=0.3, which="both")
-    ax1.legend(fontsize=8)
+    _label_axes(ax1, "held-out loss (nats/token)", "configs of the stack, with L(C) fits")
     for ch in result["changes"]:
         m = ch["marginal"]
         y = np.array(m["multipliers"])
@@ -411,13 +408,10 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
             ys = m["at_target"] * (xs / result["target"]) ** m["slope_per_decade"]
             ax2.plot(xs, ys, "--", color=bar[0].get_color(), lw=0.8)
     ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_xscale("log")
     ax2.set_yscale("log")
-    ax2.set_xlabel("training FLOPs")
-    ax2.set_ylabel("effective compute multiplier (marginal)")
-    ax2.set_title("gain of each change, extrapolated to the target")
-    ax2.grid(alpha=0.3, which="both")
-    ax2.legend(fontsize=8)
+    _label_axes(
+        ax2, "effective compute multiplier (marginal)", "gain of each change, extrapolated to the target"
+    )
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png)

@@ -1,296 +1,57 @@
 """Scaling ladders: plan runs from FLOP budgets, train them idempotently, record one results table.
 
-A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs. Model shapes come
-from one knob, `model.depth` (width, heads and MLP derive from it with the foundation's multiples of 64).
-For each depth the planner knows the exact parameter count N and training FLOPs per token F
-(tenx.model.flops), so a run at budget C trains D = C / F tokens.
-
-Grids:
-- `isoflop`: at each budget, `sizes` depths centred on the one whose tokens per parameter D/N is closest
-  (in log) to `tokens_per_param`; every run at a budget spends the same FLOPs (Chinchilla approach 2).
-- `ratio`: one run per budget, the depth closest to `tokens_per_param`.
-
-Hyperparameters by size (the rule is the same at every scale, so a ladder extrapolates):
-- peak learning rate = optim.lr x (d_ref / d_model) ** lr_width_exponent, d_ref = the base config's width
-  (the base lr is the one tuned at the base size; 0.5 is the 1/sqrt(width) rule of nanochat and others);
-- batch: the base config's sequences per step, halved until the run has at least `min_steps` steps;
-- warmup: `warmup_tokens_per_param` x N tokens (OLMo's ladder warms up over N tokens), at most
-  `max_warmup_fraction` of the run; the base schedule (cosine by default) spans each run's own length.
-
-Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is in results.jsonl is
-skipped; a run with checkpoints resumes from the newest verified one; a finished run is only evaluated.
+A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs: the planning rules
+(grids, shapes, hyperparameters by size) are tenx/scaling/planner.py's, the cluster launch scripts
+tenx/scaling/launch.py's. Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is
+in results.jsonl is skipped; a run with checkpoints resumes from the newest verified one; a finished run is
+only evaluated.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import shlex
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from tenx import config as cfglib
-from tenx.config import field
-from tenx.errors import ConfigError, TenxError
-from tenx.model.config import ModelConfig
-from tenx.model.flops import count_params, flops_per_token
+from tenx.errors import TenxError
+from tenx.scaling.launch import emit_launch
+from tenx.scaling.planner import (
+    DEFAULT_BUDGETS,
+    LadderConfig,
+    PlannedRun,
+    format_plan,
+    parse_budgets,
+    plan_ladder,
+    shape_for_depth,
+    vocab_size_of,
+)
 from tenx.train.config import RunConfig, load_run_config
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
 
-DEFAULT_BUDGETS = [1e12, 2.3e12, 5.5e12, 1.3e13, 3e13]  # 30x; about 20 minutes on 2 CPU cores
-
-
-@dataclass
-class LadderConfig:
-    """How a ladder turns budgets into runs (the `[ladder]` section of a derisk file, or `tenx ladder` flags)."""
-
-    budgets: list[float] = field(
-        default_factory=lambda: list(DEFAULT_BUDGETS), help="training FLOP budgets, one rung each"
-    )
-    grid: Literal["isoflop", "ratio"] = field(
-        "isoflop", help="'isoflop': several sizes per budget; 'ratio': one size per budget"
-    )
-    tokens_per_param: float = field(20.0, help="the ratio D/N the grid centres on (Chinchilla: about 20)")
-    sizes: int = field(3, help="isoflop: model sizes (depths) per budget")
-    min_depth: int = field(1, help="smallest model.depth the planner may use")
-    max_depth: int = field(32, help="largest model.depth the planner may use")
-    unique_tokens: int | None = field(
-        None, help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data"
-    )
-    seeds: int = field(1, help="seeds of every run (train.seed, train.seed+1, ...)")
-    lr_width_exponent: float = field(0.5, help="peak lr = optim.lr * (d_ref / d_model) ** this")
-    min_steps: int = field(100, help="halve the batch until a run has at least this many steps")
-    warmup_tokens_per_param: float = field(1.0, help="warmup lasts this many tokens per parameter")
-    max_warmup_fraction: float = field(0.25, help="warmup is at most this fraction of a run's steps")
-    eval_bytes: int = field(
-        262144,
-        help="bytes of whole documents (spread evenly over the split) scored per split for val and "
-        "held-out loss and bits per byte; 0 scores the whole split",
-    )
-    prepare_source: str | None = field(
-        "stdlib", help="if data.dir is not prepared yet, prepare it from this source first (none: error)"
-    )
-    prepare_tokenizer: Literal["bytes", "bpe"] = field("bytes", help="tokenizer used when preparing")
-
-    def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if not self.budgets:
-            raise ConfigError("ladder.budgets: give at least one FLOP budget")
-        for i, b in enumerate(self.budgets):
-            if not (b > 0 and math.isfinite(b)):
-                raise ConfigError(f"ladder.budgets[{i}]: must be a positive number of FLOPs, got {b}")
-        if self.tokens_per_param <= 0:
-            raise ConfigError(f"ladder.tokens_per_param: must be > 0, got {self.tokens_per_param}")
-        for name in ("sizes", "min_depth", "max_depth", "seeds", "min_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ladder.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_depth < self.min_depth:
-            raise ConfigError(f"ladder.max_depth: {self.max_depth} is below min_depth {self.min_depth}")
-        if self.unique_tokens is not None and self.unique_tokens < 2:
-            raise ConfigError(f"ladder.unique_tokens: must be >= 2, got {self.unique_tokens}")
-        if not 0 < self.max_warmup_fraction <= 1:
-            raise ConfigError(
-                f"ladder.max_warmup_fraction: must be in (0, 1], got {self.max_warmup_fraction}"
-            )
-        if self.eval_bytes < 0:
-            raise ConfigError(f"ladder.eval_bytes: must be >= 0, got {self.eval_bytes}")
-
-
-@dataclass
-class PlannedRun:
-    """One run of a ladder: its shape, budget, hyperparameters and the overrides that make its config."""
-
-    name: str
-    tag: str
-    budget: float
-    seed: int
-    depth: int
-    d_model: int
-    params: int
-    non_embedding_params: int
-    flops_per_token: int
-    steps: int
-    global_batch: int
-    seq_len: int
-    tokens: int
-    flops: float
-    lr: float
-    warmup_steps: int
-    unique_tokens: int | None
-    config: RunConfig = dataclasses.field(repr=False)
-
-    def record(self) -> dict[str, Any]:
-        """The plan as plain data (the resolved config excluded)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
-        out["tokens_per_param"] = self.tokens_per_param
-        return out
-
-    @property
-    def tokens_per_param(self) -> float:
-        return self.tokens / self.params
-
-
-def parse_budgets(text: str) -> list[float]:
-    """'1e13,3e13' -> [1e13, 3e13]; a clear error names the bad item."""
-    out = []
-    for item in text.split(","):
-        try:
-            value = float(item.strip())
-        except ValueError:
-            raise ConfigError(
-                f"--budgets: {item.strip()!r} is not a number (expected e.g. 1e13,3e13)"
-            ) from None
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"--budgets: {item.strip()!r} must be a positive number of FLOPs")
-        out.append(value)
-    return out
-
-
-def _vocab_size(base: RunConfig) -> int:
-    """The data's vocabulary (unpadded) from its manifest, or the config's explicit model.vocab_size."""
-    from tenx.data.manifest import read_manifest
-
-    if base.model.vocab_size is not None:
-        return base.model.vocab_size
-    return int(read_manifest(base.data.dir)["tokenizer"]["vocab_size"])
-
-
-def shape_for_depth(base: ModelConfig, depth: int, vocab: int) -> ModelConfig:
-    """The base model at `depth`, width and heads derived from depth (explicit widths are cleared)."""
-    return dataclasses.replace(base, depth=depth, d_model=None, n_heads=None, d_ff=None).resolved(vocab)
-
-
-def _base_sequences(base: RunConfig) -> int:
-    return base.train.global_batch or base.train.micro_batch * base.train.grad_accum
-
-
-def _format_budget(c: float) -> str:
-    return f"{c:.2e}".replace("+", "")
-
-
-def plan_ladder(base: RunConfig, lc: LadderConfig, tag: str = "base") -> list[PlannedRun]:
-    """The runs of a ladder over `base` (whose data.dir must be prepared, for the vocabulary)."""
-    lc.validate()
-    vocab = _vocab_size(base)
-    ref_width = base.model.resolved(vocab).d_model
-    assert ref_width is not None
-    shapes = {d: shape_for_depth(base.model, d, vocab) for d in range(lc.min_depth, lc.max_depth + 1)}
-    counts = {d: count_params(m) for d, m in shapes.items()}
-    fpt = {d: flops_per_token(m) for d, m in shapes.items()}
-    seq_len = base.model.seq_len
-    runs: list[PlannedRun] = []
-    for budget in lc.budgets:
-        # log distance of each depth's tokens-per-parameter from the target ratio at this budget
-        dist = {d: abs(math.log(budget / fpt[d] / counts[d].total / lc.tokens_per_param)) for d in shapes}
-        best = min(dist, key=lambda d: dist[d])
-        if lc.grid == "ratio":
-            depths = [best]
-        else:
-            k = min(lc.sizes, len(shapes))
-            lo = max(lc.min_depth, min(best - (k - 1) // 2, lc.max_depth - k + 1))
-            depths = list(range(lo, lo + k))
-        for depth in depths:
-            for s in range(lc.seeds):
-                runs.append(
-                    _plan_run(
-                        base,
-                        lc,
-                        tag,
-                        budget,
-                        depth,
-                        shapes[depth],
-                        counts[depth],
-                        fpt[depth],
-                        seq_len,
-                        ref_width,
-                        base.train.seed + s,
-                    )
-                )
-    return runs
-
-
-def _plan_run(
-    base: RunConfig,
-    lc: LadderConfig,
-    tag: str,
-    budget: float,
-    depth: int,
-    model: ModelConfig,
-    count: Any,
-    fpt: int,
-    seq_len: int,
-    ref_width: int,
-    seed: int,
-) -> PlannedRun:
-    tokens_wanted = budget / fpt
-    sequences = _base_sequences(base)
-    micro = base.train.micro_batch
-    while sequences > 1 and tokens_wanted / (sequences * seq_len) < lc.min_steps:
-        sequences //= 2
-    steps = max(1, round(tokens_wanted / (sequences * seq_len)))
-    if tokens_wanted / (sequences * seq_len) < lc.min_steps / 2:
-        raise ConfigError(
-            f"ladder.budgets: {budget:.3g} FLOPs buys depth {depth} only {tokens_wanted:.0f} tokens "
-            f"(< {lc.min_steps // 2} steps of one sequence); raise the budget or lower ladder.min_depth/"
-            "ladder.sizes"
-        )
-    micro = min(micro, sequences)
-    while sequences % micro:
-        micro -= 1
-    tokens = steps * sequences * seq_len
-    assert model.d_model is not None
-    lr = base.optim.lr * (ref_width / model.d_model) ** lc.lr_width_exponent
-    warmup = math.ceil(lc.warmup_tokens_per_param * count.total / (sequences * seq_len))
-    warmup = max(1, min(warmup, int(lc.max_warmup_fraction * steps)))
-    name = f"{tag}-C{_format_budget(budget)}-d{depth}" + (f"-s{seed}" if lc.seeds > 1 else "")
-    cfg = dataclasses.replace(
-        base,
-        checkpoint=dataclasses.replace(
-            base.checkpoint, every=max(10, math.ceil(steps / 4)), at_end=True, keep_last=1
-        ),
-        log=dataclasses.replace(base.log, progress=False),
-        model=dataclasses.replace(base.model, depth=depth, d_model=None, n_heads=None, d_ff=None),
-        train=dataclasses.replace(
-            base.train,
-            steps=steps,
-            tokens=None,
-            global_batch=sequences,
-            micro_batch=micro,
-            grad_accum=1,
-            seed=seed,
-            eval_every=0,
-        ),
-        optim=dataclasses.replace(base.optim, lr=float(f"{lr:.6g}"), warmup_steps=warmup),
-        data=dataclasses.replace(
-            base.data, max_unique_tokens=lc.unique_tokens or base.data.max_unique_tokens
-        ),
-    )
-    cfglib.validate_tree(cfg)
-    return PlannedRun(
-        name=name,
-        tag=tag,
-        budget=budget,
-        seed=seed,
-        depth=depth,
-        d_model=model.d_model,
-        params=count.total,
-        non_embedding_params=count.non_embedding,
-        flops_per_token=fpt,
-        steps=steps,
-        global_batch=sequences,
-        seq_len=seq_len,
-        tokens=tokens,
-        flops=float(tokens * fpt),
-        lr=float(f"{lr:.6g}"),
-        warmup_steps=warmup,
-        unique_tokens=cfg.data.max_unique_tokens,
-        config=cfg,
-    )
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "LadderConfig",
+    "PlannedRun",
+    "append_result",
+    "config_key",
+    "emit_launch",
+    "ensure_data",
+    "estimate_seconds",
+    "evaluate_run",
+    "format_plan",
+    "load_base",
+    "measure_tokens_per_s",
+    "parse_budgets",
+    "plan_ladder",
+    "read_results",
+    "run_ladder",
+    "run_one",
+    "shape_for_depth",
+]
 
 
 # ----- data ------------------------------------------------------------------------------------------
@@ -453,16 +214,15 @@ def _train_tokens(cfg: RunConfig) -> int:
 def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> float:
     """Training tokens per second of cfg's model on this machine (a few timed steps on random tokens)."""
     import torch
-    import torch.nn.functional as F
 
-    from tenx.model.transformer import Transformer
+    from tenx.model.transformer import Transformer, lm_loss
     from tenx.plan.hardware import pick_device, resolve_precision, tune_cpu_allocator
     from tenx.train.optim import build_optimizer
 
     device = pick_device(cfg.train.device)
     if device.type == "cpu":
         tune_cpu_allocator()
-    model_cfg = cfg.model.resolved(_vocab_size(cfg))
+    model_cfg = cfg.model.resolved(vocab_size_of(cfg))
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device)
     opt = build_optimizer(model, cfg.optim, device)
@@ -473,7 +233,8 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     def step() -> None:
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             logits = model(x[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
+        loss, _ = lm_loss(logits, x[:, 1:], model_cfg.z_loss)  # the training step's own loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -507,123 +268,6 @@ def _bytes_per_token(cfg: RunConfig) -> float:
 
     split = read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]
     return max(1e-9, split["bytes"] / max(1, split["tokens"]))
-
-
-def format_plan(plan: list[PlannedRun], seconds: dict[str, float] | None = None) -> str:
-    """A table of the plan: shape, parameters, tokens, FLOPs, batch, lr and (optionally) time."""
-    head = (
-        f"{'run':<26} {'depth':>5} {'d':>4} {'params':>9} {'non-emb':>9} {'tokens':>10} {'D/N':>6} "
-        f"{'FLOPs':>9} {'steps':>6} {'batch':>5} {'lr':>8} {'warmup':>6}"
-    )
-    if seconds is not None:
-        head += f" {'est. time':>9}"
-    lines = [head, "-" * len(head)]
-    for r in plan:
-        line = (
-            f"{r.name:<26} {r.depth:>5} {r.d_model:>4} {r.params:>9,} {r.non_embedding_params:>9,} "
-            f"{r.tokens:>10,} {r.tokens_per_param:>6.1f} {r.flops:>9.2e} {r.steps:>6} {r.global_batch:>5} "
-            f"{r.lr:>8.2e} {r.warmup_steps:>6}"
-        )
-        if seconds is not None:
-            line += f" {_fmt_s(seconds[r.name]):>9}"
-        lines.append(line)
-    total_flops = sum(r.flops for r in plan)
-    tail = f"{len(plan)} runs, {total_flops:.2e} FLOPs"
-    if seconds is not None:
-        tail += f", about {_fmt_s(sum(seconds.values()))} on this machine (measured step times)"
-    lines.append(tail)
-    return "\n".join(lines)
-
-
-def _fmt_s(s: float) -> str:
-    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
-
-
-# ----- launching on a cluster ------------------------------------------------------------------------
-def emit_launch(
-    plan: list[PlannedRun],
-    ladder_dir: str | Path,
-    how: Literal["torchrun", "slurm"],
-    collect: str,
-    nproc: int = 8,
-    nodes: int = 1,
-) -> list[Path]:
-    """Write each run's config and the commands that train them on a cluster; returns the scripts.
-
-    The last command, `collect`, is this ladder's own command without --emit: it finds the finished
-    runs, evaluates them and writes results.jsonl.
-    """
-    ladder_dir = Path(ladder_dir)
-    ranks = nproc * nodes
-    runs = []
-    for run in plan:
-        if run.global_batch % ranks:
-            raise TenxError(
-                f"run {run.name}: its global batch of {run.global_batch} sequences cannot be split over "
-                f"{ranks} ranks; raise the base config's train.global_batch or lower --nproc/--nodes"
-            )
-        run_dir = ladder_dir / "runs" / run.name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.toml", cfglib.dumps_toml(run.config))
-        micro = min(run.config.train.micro_batch, run.global_batch // ranks)
-        while (run.global_batch // ranks) % micro:
-            micro -= 1
-        train_args = (
-            f"-m tenx train --config {shlex.quote(str(run_dir / 'config.toml'))} "
-            f"--run-dir {shlex.quote(str(run_dir))} --resume auto --set train.micro_batch={micro}"
-        )
-        runs.append((run, run_dir, train_args))
-    out_dir = ladder_dir / "launch"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cwd = shlex.quote(str(Path.cwd()))
-    if how == "torchrun":
-        lines = [
-            "#!/usr/bin/env bash",
-            f"# {len(runs)} ladder runs, one after another on this node; rerunning resumes or skips them.",
-            "set -euo pipefail",
-            f"cd {cwd}",
-            f'NPROC="${{NPROC_PER_NODE:-{nproc}}}"',
-        ]
-        lines += [f'torchrun --standalone --nproc_per_node "$NPROC" {args}' for _, _, args in runs]
-        lines += ["# evaluate the finished runs and write results.jsonl", collect]
-        path = out_dir / "torchrun.sh"
-        atomic_write_text(path, "\n".join(lines) + "\n")
-        path.chmod(0o755)
-        return [path]
-    scripts = []
-    for run, run_dir, args in runs:
-        text = "\n".join(
-            [
-                "#!/bin/bash",
-                f"#SBATCH --job-name=tenx-{run.name}",
-                f"#SBATCH --nodes={nodes}",
-                "#SBATCH --ntasks-per-node=1",
-                f"#SBATCH --gpus-per-node={nproc}",
-                f"#SBATCH --output={run_dir}/slurm-%j.out",
-                "set -euo pipefail",
-                f"cd {cwd}",
-                'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {nproc} --rdzv_id "$SLURM_JOB_ID" '
-                f'--rdzv_backend c10d --rdzv_endpoint "$head:29500" {args}',
-            ]
-        )
-        path = out_dir / f"{run.name}.sbatch"
-        atomic_write_text(path, text + "\n")
-        scripts.append(path)
-    submit = [
-        "#!/usr/bin/env bash",
-        "# submits every run, then a job that collects the results once all have finished",
-        "set -euo pipefail",
-        f"cd {cwd}",
-        "ids=()",
-        *[f'ids+=("$(sbatch --parsable {shlex.quote(str(p))})")' for p in scripts],
-        f'sbatch --dependency="afterok:$(IFS=:; echo "${{ids[*]}}")" --job-name=tenx-ladder-collect '
-        f"--wrap {shlex.quote(collect)}",
-    ]
-    path = out_dir / "submit.sh"
-    atomic_write_text(path, "\n".join(submit) + "\n")
-    path.chmod(0o755)
-    return [*scripts, path]
 
 
 # ----- the whole ladder ------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tenx.scaling.fit.frontier import best_per_budget, compute_optimal
 from tenx.utils.io import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from tenx.scaling.fit import FitResult
+    from tenx.scaling.fit.laws import FitResult
     from tenx.scaling.table import Points
 
 
@@ -49,10 +50,8 @@ def plot_fit(
         ax.plot(grid, fit.predict(C=grid), color="C0", lw=1.5, label=f"fit: {fit.form}")
         low, high = fit.predict_interval(C=grid)
         ax.fill_between(grid, low, high, color="C0", alpha=0.2, lw=0, label=f"{fit.level:.0%} band")
-        from tenx.scaling.fit import _frontier
-
         ax.scatter(fitted.C, fitted.L, s=18, facecolor="none", edgecolor="C0", zorder=3, label="runs")
-        best_c, best_l = _frontier(fitted)
+        best_c, best_l = best_per_budget(fitted)
         ax.scatter(best_c, best_l, s=18, color="C0", zorder=3, label="best run per budget (fitted)")
     else:
         sizes = np.unique(np.concatenate([fitted.N, holdout.N]))
@@ -88,8 +87,6 @@ def plot_fit(
                 ax.fill_between(6 * n * d, low, high, color=color(n), alpha=0.2, lw=0)
         ax.scatter(fitted.C, fitted.L, s=18, c=[color(n) for n in fitted.N], zorder=3, label="fitted runs")
         if fit.law == "chinchilla":
-            from tenx.scaling.fit import compute_optimal
-
             grid = _curve_span(float(c_all.min()), c_hi * 1.5, 40)
             frontier = [compute_optimal(fit, float(c)) for c in grid]
             ax.plot(grid, [f["loss"] for f in frontier], color="k", lw=1, ls=":", label="compute-optimal")

@@ -1,0 +1,71 @@
+"""Scaling-law fits with bootstrap intervals: Chinchilla L(N, D), compute L(C), data-constrained L(N, D, U).
+
+Every law here is fitted the way Hoffmann et al. (2022, approach 3) fit L(N, D), with the corrections of
+Besiroglu et al. (2024): the Huber loss of log-loss residuals, summed over runs, minimised by L-BFGS-B from a
+grid of starting points run to a tight tolerance (the original stopped early), and confidence intervals from
+a bootstrap over runs (the original's were implausibly narrow). Predicted log loss is a log-sum-exp of terms
+that are linear in the parameters, e.g. log L = logsumexp(a - alpha log N, b - beta log D, e) with
+A = e^a, B = e^b, E = e^e, so one optimiser serves every law.
+
+Modules, each importing only those listed after it: command (`tenx fit`), report (the whole analysis of a run
+table), plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
+FitConfig, FitResult, the fit functions), solver (the optimiser).
+"""
+
+from tenx.scaling.fit.command import add_fit_parser, cmd_fit
+from tenx.scaling.fit.frontier import (
+    best_per_budget,
+    budget_groups,
+    compute_for_loss,
+    compute_optimal,
+    fit_points,
+    isoflop_minima,
+    leave_largest_out,
+)
+from tenx.scaling.fit.laws import (
+    CHINCHILLA_FORM,
+    COMPUTE_FORM,
+    DATA_CONSTRAINED_FORM,
+    LAWS,
+    POWER_FORM,
+    TIED_FORM,
+    FitConfig,
+    FitResult,
+    effective_data,
+    fit_chinchilla,
+    fit_compute,
+    fit_data_constrained,
+)
+from tenx.scaling.fit.plots import plot_fit
+from tenx.scaling.fit.report import format_report, parse_target, run_fit, select_runs
+from tenx.scaling.fit.solver import logsumexp
+
+__all__ = [
+    "CHINCHILLA_FORM",
+    "COMPUTE_FORM",
+    "DATA_CONSTRAINED_FORM",
+    "LAWS",
+    "POWER_FORM",
+    "TIED_FORM",
+    "FitConfig",
+    "FitResult",
+    "add_fit_parser",
+    "best_per_budget",
+    "budget_groups",
+    "cmd_fit",
+    "compute_for_loss",
+    "compute_optimal",
+    "effective_data",
+    "fit_chinchilla",
+    "fit_compute",
+    "fit_data_constrained",
+    "fit_points",
+    "format_report",
+    "isoflop_minima",
+    "leave_largest_out",
+    "logsumexp",
+    "parse_target",
+    "plot_fit",
+    "run_fit",
+    "select_runs",
+]

@@ -1,0 +1,514 @@
+"""The laws: Chinchilla L(N, D), compute L(C), data-constrained L(N, D, U); their fit functions and results.
+
+Each law builds a `Problem` (solver.py) from data and maps centred internal parameters to named ones.
+Every fit function takes the same keyword options: the fields of `FitConfig` (`tie_exponents` is
+fit_chinchilla's alone), documented there once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from typing import Any
+
+import numpy as np
+from scipy.optimize import minimize
+
+from tenx.config import field
+from tenx.errors import ConfigError, DataError, TenxError
+from tenx.scaling.fit.solver import Problem, best_starts, logsumexp, optimise, resample, with_serial_blas
+
+LAWS = ("chinchilla", "compute", "data-constrained")
+CHINCHILLA_FORM = "E + A/N^alpha + B/D^beta"
+TIED_FORM = "E + A/N^alpha + B/D^alpha"
+COMPUTE_FORM = "E + A*C^-alpha"
+POWER_FORM = "power"
+DATA_CONSTRAINED_FORM = "E + A/N^alpha + B/D'^beta, D' = U + U*R_D_star*(1 - exp(-R_D/R_D_star))"
+
+# Hoffmann et al.'s grid of starting points (in the uncentred parameters a = log A, b = log B, e = log E).
+_HOFFMANN_GRID = {
+    "a": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+    "b": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
+    "e": (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5),
+    "alpha": (0.0, 0.5, 1.0, 1.5, 2.0),
+    "beta": (0.0, 0.5, 1.0, 1.5, 2.0),
+}
+# L(C) has one reducible term; its grid is written directly in centred coordinates: a_c is the log of the
+# reducible loss at the data's geometric-mean compute, so the same grid suits any range of C.
+_COMPUTE_GRID = {
+    "a_c": (-3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5),
+    "e": (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5),
+    "alpha": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+}
+_R_STAR_GRID = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
+_EXPONENT_BOUNDS = (0.0, 5.0)
+_LOG_E_BOUNDS = (-10.0, 10.0)
+_LOG_R_STAR_BOUNDS = (math.log(1e-2), math.log(1e6))
+_MIN_COMPUTE_POINTS = 4  # below this L(C) = E + A C^-alpha is under-determined; fall back to A C^-alpha
+
+
+@dataclass
+class FitConfig:
+    """How a law is fitted: every fit function takes these fields as keywords, its one list of options
+    (`tenx fit` sets huber_delta, bootstrap, seed and tie_exponents)."""
+
+    huber_delta: float = field(
+        1e-3,
+        help="Huber loss threshold on log-loss residuals (Hoffmann et al. use 1e-3: nearly an L1 fit, robust "
+        "to the odd bad run)",
+    )
+    bootstrap: int = field(
+        200, help="bootstrap resamples of the runs for the confidence intervals (0: no intervals)"
+    )
+    seed: int = field(0, help="seed of the bootstrap resampling (same seed, same intervals)")
+    level: float = field(0.95, help="confidence level of the percentile intervals")
+    starts: int = field(
+        64,
+        help="L-BFGS-B runs from this many of the grid's starting points, those with the lowest loss "
+        "(0: every point of the grid); on the Gadre et al. runs 64 find the optimum of the full grid",
+    )
+    bootstrap_starts: int = field(
+        2,
+        help="each bootstrap refit starts from the full-data optimum and up to this many of the other "
+        "distinct optima the full-data fit reached from the grid",
+    )
+    tie_exponents: bool = field(
+        False, help="chinchilla: one exponent for N and D (Gadre et al. 2024's form E + A/N^a + B/D^a)"
+    )
+
+    def validate(self) -> None:
+        """Check ranges; names the offending field."""
+        if not (self.huber_delta > 0 and math.isfinite(self.huber_delta)):
+            raise ConfigError(f"fit.huber_delta: must be a positive number, got {self.huber_delta}")
+        if self.bootstrap < 0:
+            raise ConfigError(f"fit.bootstrap: must be >= 0, got {self.bootstrap}")
+        if not 0 < self.level < 1:
+            raise ConfigError(f"fit.level: must be in (0, 1), got {self.level}")
+        if self.starts < 0 or self.bootstrap_starts < 0:
+            raise ConfigError(
+                f"fit.starts / fit.bootstrap_starts: must be >= 0, got {self.starts} / {self.bootstrap_starts}"
+            )
+
+
+@dataclass
+class _Law:
+    """One law's parametrisation on one data set (centres are the mean log features of the full data)."""
+
+    law: str
+    form: str
+    names: tuple[str, ...]
+    build: Callable[[np.ndarray], np.ndarray]  # rows' features -> T (n, k, p)
+    natural: Callable[[np.ndarray], np.ndarray]  # internal theta -> named parameters, params' order
+    grid: np.ndarray
+    bounds: list[tuple[float | None, float | None]]
+    extra_starts: np.ndarray | None = None  # always tried, whatever the grid ranking says
+
+
+def _chinchilla_law(logN: np.ndarray, logD: np.ndarray, tie: bool) -> _Law:
+    mN, mD = float(logN.mean()), float(logD.mean())
+    g = _HOFFMANN_GRID
+    points = np.array(list(itertools.product(g["a"], g["b"], g["e"], g["alpha"], g["beta"])))
+    if tie:
+        points = points[points[:, 3] == points[:, 4]][:, :4]
+    # Centring log N and log D (a_c = a - alpha*mean log N) leaves the objective unchanged and decorrelates
+    # a from alpha, which L-BFGS-B converges on much faster.
+    grid = points.copy()
+    grid[:, 0] -= points[:, 3] * mN
+    grid[:, 1] -= points[:, 3 if tie else 4] * mD
+    p = 4 if tie else 5
+
+    def build(features: np.ndarray) -> np.ndarray:
+        xN, xD = features[:, 0] - mN, features[:, 1] - mD
+        T = np.zeros((len(features), 3, p))
+        T[:, 0, 0], T[:, 0, 3] = 1.0, -xN
+        T[:, 1, 1], T[:, 1, 3 if tie else 4] = 1.0, -xD
+        T[:, 2, 2] = 1.0
+        return T
+
+    def natural(theta: np.ndarray) -> np.ndarray:
+        alpha = theta[3]
+        beta = theta[3] if tie else theta[4]
+        with np.errstate(over="ignore"):  # a wild bootstrap refit may overflow: inf, dropped from intervals
+            return np.array(
+                [np.exp(theta[2]), np.exp(theta[0] + alpha * mN), np.exp(theta[1] + beta * mD), alpha, beta]
+            )
+
+    bounds: list[tuple[float | None, float | None]] = [(None, None), (None, None), _LOG_E_BOUNDS]
+    bounds += [_EXPONENT_BOUNDS] * (p - 3)
+    return _Law(
+        "chinchilla",
+        TIED_FORM if tie else CHINCHILLA_FORM,
+        ("E", "A", "B", "alpha", "beta"),
+        build,
+        natural,
+        grid,
+        bounds,
+    )
+
+
+def _compute_law(logC: np.ndarray, power: bool) -> _Law:
+    mC = float(logC.mean())
+    g = _COMPUTE_GRID
+    if power:
+
+        def build(features: np.ndarray) -> np.ndarray:
+            T = np.zeros((len(features), 1, 2))
+            T[:, 0, 0], T[:, 0, 1] = 1.0, -(features[:, 0] - mC)
+            return T
+
+        def natural(theta: np.ndarray) -> np.ndarray:
+            with np.errstate(over="ignore"):
+                return np.array([0.0, np.exp(theta[0] + theta[1] * mC), theta[1]])
+
+        grid = np.array(list(itertools.product(g["a_c"], g["alpha"])))
+        return _Law(
+            "compute", POWER_FORM, ("E", "A", "alpha"), build, natural, grid, [(None, None), _EXPONENT_BOUNDS]
+        )
+
+    def build_e(features: np.ndarray) -> np.ndarray:
+        T = np.zeros((len(features), 2, 3))
+        T[:, 0, 0], T[:, 0, 2] = 1.0, -(features[:, 0] - mC)
+        T[:, 1, 1] = 1.0
+        return T
+
+    def natural_e(theta: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return np.array([np.exp(theta[1]), np.exp(theta[0] + theta[2] * mC), theta[2]])
+
+    grid = np.array(list(itertools.product(g["a_c"], g["e"], g["alpha"])))
+    bounds: list[tuple[float | None, float | None]] = [(None, None), _LOG_E_BOUNDS, _EXPONENT_BOUNDS]
+    return _Law("compute", COMPUTE_FORM, ("E", "A", "alpha"), build_e, natural_e, grid, bounds)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Results.
+
+
+@dataclass
+class FitResult:
+    """A fitted law: named parameters, bootstrap intervals and samples, and predictions with intervals."""
+
+    law: str
+    form: str
+    params: dict[str, float]
+    intervals: dict[str, tuple[float, float]]
+    samples: np.ndarray
+    n_points: int
+    residual_rms: float
+    level: float = 0.95
+    info: dict[str, Any] = dc_field(default_factory=dict)
+
+    def _log_predict(self, values: np.ndarray, N: Any, D: Any, C: Any, U: Any) -> np.ndarray:
+        """log L for parameter rows `values` (S, P) at the given inputs -> (S, M)."""
+        cols = {name: values[:, i : i + 1] for i, name in enumerate(self.params)}
+        with np.errstate(divide="ignore"):
+            logE = np.log(cols["E"])
+        if self.law == "compute":
+            if C is None:
+                if N is None or D is None:
+                    raise TenxError("a compute-law prediction needs C (or N and D, with C = 6ND)")
+                C = 6 * np.asarray(N, dtype=float) * np.asarray(D, dtype=float)
+            logC = np.log(np.atleast_1d(np.asarray(C, dtype=float)))[None, :]
+            return np.logaddexp(np.log(cols["A"]) - cols["alpha"] * logC, logE)
+        if N is None or (D is None and C is None):
+            raise TenxError(f"a {self.law} prediction needs N and D (or N and C, with D = C/(6N))")
+        Na = np.atleast_1d(np.asarray(N, dtype=float))
+        Da = (
+            np.atleast_1d(np.asarray(D, dtype=float))
+            if D is not None
+            else np.atleast_1d(np.asarray(C, dtype=float)) / (6 * Na)
+        )
+        Na, Da = np.broadcast_arrays(Na, Da)
+        logD = np.log(Da)[None, :]
+        if self.law == "data-constrained":
+            Ua = Da if U is None else np.broadcast_to(np.atleast_1d(np.asarray(U, dtype=float)), Da.shape)
+            logD = np.log(effective_data(Da[None, :], Ua[None, :], cols["R_D_star"]))
+        terms = np.stack(
+            np.broadcast_arrays(
+                np.log(cols["A"]) - cols["alpha"] * np.log(Na)[None, :],
+                np.log(cols["B"]) - cols["beta"] * logD,
+                logE + 0 * logD,
+            )
+        )
+        return logsumexp(terms, axis=0)
+
+    def predict(self, N: Any = None, D: Any = None, C: Any = None, U: Any = None) -> Any:
+        """Point prediction of the loss (a float for scalar inputs, an array for arrays)."""
+        values = np.array([list(self.params.values())])
+        out = np.exp(self._log_predict(values, N, D, C, U)[0])
+        return float(out[0]) if all(np.ndim(v) == 0 for v in (N, D, C, U) if v is not None) else out
+
+    def predict_interval(
+        self, N: Any = None, D: Any = None, C: Any = None, U: Any = None, level: float | None = None
+    ) -> tuple[Any, Any]:
+        """Percentile interval of the prediction over the bootstrap fits (NaN without bootstrap)."""
+        level = self.level if level is None else level
+        scalar = all(np.ndim(v) == 0 for v in (N, D, C, U) if v is not None)
+        ok = np.all(np.isfinite(self.samples), axis=1) if len(self.samples) else np.zeros(0, bool)
+        if not ok.any():
+            shape = np.shape(self.predict(N, D, C, U))
+            nan = np.full(shape, np.nan)
+            return (math.nan, math.nan) if scalar else (nan, nan)
+        preds = np.exp(self._log_predict(self.samples[ok], N, D, C, U))
+        q = 100 * (1 - level) / 2
+        low, high = np.percentile(preds, [q, 100 - q], axis=0)
+        return (float(low[0]), float(high[0])) if scalar else (low, high)
+
+    def to_dict(self, samples: bool = False) -> dict[str, Any]:
+        """Plain data: law, form, parameters, intervals and fit statistics (bootstrap samples if asked)."""
+        out: dict[str, Any] = {
+            "law": self.law,
+            "form": self.form,
+            "params": dict(self.params),
+            "intervals": {k: [lo, hi] for k, (lo, hi) in self.intervals.items()},
+            "level": self.level,
+            "n_points": self.n_points,
+            "residual_rms": self.residual_rms,
+            "n_bootstrap": int(len(self.samples)),
+            **self.info,
+        }
+        if samples:
+            out["samples"] = self.samples.tolist()
+        return out
+
+
+def _intervals(names: Sequence[str], samples: np.ndarray, level: float) -> dict[str, tuple[float, float]]:
+    ok = np.all(np.isfinite(samples), axis=1) if len(samples) else np.zeros(0, bool)
+    if not ok.any():
+        return {name: (math.nan, math.nan) for name in names}
+    q = 100 * (1 - level) / 2
+    low, high = np.percentile(samples[ok], [q, 100 - q], axis=0)
+    return {name: (float(lo), float(hi)) for name, lo, hi in zip(names, low, high)}
+
+
+def _fit_law(law: _Law, features: np.ndarray, logL: np.ndarray, cfg: FitConfig) -> FitResult:
+    """Full-data fit from the grid, then `cfg.bootstrap` refits on resampled runs."""
+    problem = Problem(law.build(features), logL, cfg.huber_delta, law.bounds)
+    extra = law.extra_starts if law.extra_starts is not None else np.empty((0, law.grid.shape[1]))
+    grid = best_starts(problem, law.grid, cfg.starts)
+    value, theta, optima = optimise(problem, np.vstack([extra, grid]), keep=cfg.bootstrap_starts)
+    rng = np.random.default_rng(cfg.seed)
+    n = len(logL)
+    samples = np.empty((cfg.bootstrap, len(law.names)))
+    for i in range(cfg.bootstrap):
+        sub = problem.take(resample(rng, np.arange(n), features, grid.shape[1]))
+        samples[i] = law.natural(optimise(sub, optima)[1])
+    params = dict(zip(law.names, (float(v) for v in law.natural(theta))))
+    return FitResult(
+        law=law.law,
+        form=law.form,
+        params=params,
+        intervals=_intervals(law.names, samples, cfg.level),
+        samples=samples,
+        n_points=n,
+        residual_rms=float(np.sqrt(np.mean(problem.residuals(theta) ** 2))),
+        level=cfg.level,
+        info={"objective": value, "huber_delta": cfg.huber_delta, "seed": cfg.seed},
+    )
+
+
+def _check_arrays(what: str, **arrays: Any) -> dict[str, np.ndarray]:
+    """Named inputs as equal-length float arrays of positive finite values; DataError otherwise."""
+    out = {k: np.asarray(v, dtype=float).ravel() for k, v in arrays.items()}
+    lengths = {k: len(v) for k, v in out.items()}
+    if len(set(lengths.values())) != 1:
+        raise DataError(f"{what}: inputs differ in length: {lengths}")
+    for k, v in out.items():
+        bad = np.flatnonzero(~(np.isfinite(v) & (v > 0)))
+        if len(bad):
+            raise DataError(f"{what}: {k}[{bad[0]}] = {v[bad[0]]} is not a positive number")
+    return out
+
+
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(FitConfig))
+
+
+def _config(what: str, options: dict[str, Any], tie: bool = False) -> FitConfig:
+    """The validated FitConfig of a fit function's keyword options (`tie_exponents` only where `tie`)."""
+    for name in options:
+        if name not in _OPTIONS or (name == "tie_exponents" and not tie):
+            raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
+    cfg = FitConfig(**options)
+    cfg.validate()
+    return cfg
+
+
+@with_serial_blas
+def fit_chinchilla(
+    N: Any,
+    D: Any,
+    L: Any,
+    **options: Any,
+) -> FitResult:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta (Hoffmann et al. approach 3, Besiroglu et al. corrections).
+
+    `options`: FitConfig's fields (bootstrap, seed, huber_delta, level, starts, bootstrap_starts,
+    tie_exponents) as keywords.
+    """
+    cfg = _config("fit_chinchilla", options, tie=True)
+    a = _check_arrays("fit_chinchilla", N=N, D=D, L=L)
+    n_params = 4 if cfg.tie_exponents else 5
+    if len(a["L"]) < n_params or len(np.unique(a["N"])) < 2 or len(np.unique(a["D"])) < 2:
+        raise DataError(
+            f"fit_chinchilla: {len(a['L'])} runs with {len(np.unique(a['N']))} model sizes and "
+            f"{len(np.unique(a['D']))} token counts; need at least {n_params} runs over 2 or more of each"
+        )
+    logN, logD = np.log(a["N"]), np.log(a["D"])
+    law = _chinchilla_law(logN, logD, cfg.tie_exponents)
+    return _fit_law(law, np.column_stack([logN, logD]), np.log(a["L"]), cfg)
+
+
+@with_serial_blas
+def fit_compute(
+    C: Any,
+    L: Any,
+    **options: Any,
+) -> FitResult:
+    """Fit L(C) = E + A*C^-alpha; with fewer than 4 points the pure power law A*C^-alpha (form "power").
+
+    `options`: FitConfig's fields but tie_exponents, as keywords.
+    """
+    cfg = _config("fit_compute", options)
+    a = _check_arrays("fit_compute", C=C, L=L)
+    if len(np.unique(a["C"])) < 2:
+        raise DataError(
+            f"fit_compute: {len(a['C'])} runs at {len(np.unique(a['C']))} compute; need 2 or more"
+        )
+    logC = np.log(a["C"])
+    power = len(a["L"]) < _MIN_COMPUTE_POINTS
+    law = _compute_law(logC, power)
+    if power:
+        # Few points: least squares on log-log is the natural start (and with 2 points, the answer).
+        slope, intercept = np.polyfit(logC - logC.mean(), np.log(a["L"]), 1)
+        law.extra_starts = np.array([[intercept, max(-slope, 0.0)]])
+    return _fit_law(law, logC[:, None], np.log(a["L"]), cfg)
+
+
+def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
+    """Muennighoff et al.'s effective tokens D' = U + U*R*(1 - exp(-R/R*)), with R = D/U - 1 repetitions."""
+    D, U = np.asarray(D, dtype=float), np.asarray(U, dtype=float)
+    R = np.maximum(D / U - 1.0, 0.0)
+    return U + U * R_star * -np.expm1(-R / R_star)
+
+
+def _fit_r_star(
+    base: np.ndarray,
+    N: np.ndarray,
+    D: np.ndarray,
+    U: np.ndarray,
+    logL: np.ndarray,
+    delta: float,
+    starts: Sequence[float] = _R_STAR_GRID,
+) -> float:
+    """With E, A, B, alpha, beta fixed, the R*_D minimising the Huber loss (1-D, L-BFGS-B from a grid)."""
+    E, A, B, alpha, beta = base
+    n_term = math.log(A) - alpha * np.log(N)
+
+    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
+        r_star = math.exp(float(x[0]))
+        R = np.maximum(D / U - 1.0, 0.0)
+        decay = np.exp(-R / r_star)
+        d_eff = U + U * r_star * (1 - decay)
+        d_term = math.log(B) - beta * np.log(d_eff)
+        pred = np.logaddexp(np.logaddexp(n_term, d_term), math.log(E))
+        r = pred - logL
+        quadratic = np.abs(r) <= delta
+        loss = np.where(quadratic, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta)
+        psi = np.where(quadratic, r / delta, np.sign(r))
+        dlogd_dlogr = r_star * U * ((1 - decay) - (R / r_star) * decay) / d_eff
+        dpred = np.exp(d_term - pred) * -beta * dlogd_dlogr
+        return float(loss.sum()), np.array([float(psi @ dpred)])
+
+    best_value, best_x = math.inf, 0.0
+    for start in starts:
+        res = minimize(
+            objective,
+            np.array([math.log(start)]),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=[_LOG_R_STAR_BOUNDS],
+            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": 2000},
+        )
+        if res.fun < best_value:
+            best_value, best_x = float(res.fun), float(res.x[0])
+    return math.exp(best_x)
+
+
+@with_serial_blas
+def fit_data_constrained(
+    N: Any,
+    D: Any,
+    U: Any,
+    L: Any,
+    **options: Any,
+) -> FitResult:
+    """Fit Muennighoff et al.'s L(N, D, U): Chinchilla on single-epoch runs, then R*_D on all runs.
+
+    Repeated tokens count as effective data D' (see `effective_data`); parameters are not discounted
+    (N' = N: the R*_N of the paper matters only for models far larger than their unique data supports).
+    `options`: FitConfig's fields but tie_exponents, as keywords.
+    """
+    cfg = _config("fit_data_constrained", options)
+    a = _check_arrays("fit_data_constrained", N=N, D=D, U=U, L=L)
+    single = a["D"] <= a["U"] * (1 + 1e-9)
+    if single.sum() < 5 or len(np.unique(a["N"][single])) < 2 or len(np.unique(a["D"][single])) < 2:
+        raise DataError(
+            f"fit_data_constrained: {int(single.sum())} single-epoch runs (tokens <= unique tokens); need at "
+            "least 5 over 2 or more model sizes and token counts to fit E, A, B, alpha, beta first"
+        )
+    if single.all():
+        raise DataError(
+            "fit_data_constrained: no run repeats its data (tokens > unique tokens); R*_D is undefined"
+        )
+    logL = np.log(a["L"])
+    logN, logD = np.log(a["N"]), np.log(a["D"])
+    law = _chinchilla_law(logN[single], logD[single], tie=False)
+    features = np.column_stack([logN, logD])
+
+    def fit_once(index: np.ndarray, starts: np.ndarray, r_starts: Sequence[float]) -> np.ndarray:
+        sub_single = index[single[index]]
+        problem = Problem(law.build(features[sub_single]), logL[sub_single], cfg.huber_delta, law.bounds)
+        theta = optimise(problem, starts)[1]
+        base = law.natural(theta)
+        r_star = _fit_r_star(
+            base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta, r_starts
+        )
+        return np.append(base, r_star)
+
+    everything = np.arange(len(logL))
+    single_idx, repeated_idx = everything[single], everything[~single]
+    full = Problem(law.build(features[single]), logL[single], cfg.huber_delta, law.bounds)
+    optima = optimise(full, best_starts(full, law.grid, cfg.starts), keep=cfg.bootstrap_starts)[2]
+    values = fit_once(everything, optima[:1], _R_STAR_GRID)
+    rng = np.random.default_rng(cfg.seed)
+    samples = np.empty((cfg.bootstrap, 6))
+    for i in range(cfg.bootstrap):
+        # Stratified: each resample keeps as many single-epoch runs as the data, so stage 1 always has them.
+        index = np.concatenate(
+            [resample(rng, single_idx, features, 5), rng.choice(repeated_idx, len(repeated_idx))]
+        )
+        samples[i] = fit_once(index, optima, (values[5],))
+    names = ("E", "A", "B", "alpha", "beta", "R_D_star")
+    result = FitResult(
+        law="data-constrained",
+        form=DATA_CONSTRAINED_FORM,
+        params=dict(zip(names, (float(v) for v in values))),
+        intervals=_intervals(names, samples, cfg.level),
+        samples=samples,
+        n_points=len(logL),
+        residual_rms=0.0,
+        level=cfg.level,
+        info={
+            "huber_delta": cfg.huber_delta,
+            "seed": cfg.seed,
+            "n_single_epoch": int(single.sum()),
+            "n_repeated": int((~single).sum()),
+        },
+    )
+    resid = np.log(result.predict(N=a["N"], D=a["D"], U=a["U"])) - logL
+    result.residual_rms = float(np.sqrt(np.mean(resid**2)))
+    return result
