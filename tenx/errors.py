@@ -15,3 +15,7 @@ class DataError(TenxError):
 
 class CheckpointError(TenxError):
     """A checkpoint is missing, incomplete or fails verification."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint asks for something tenx refuses to load (code, a file outside it): a forgery, not damage."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,9 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from tenx import config as cfglib
-from tenx.errors import CheckpointError
+from tenx.errors import CheckpointError, ConfigError
 from tenx.model.config import ModelConfig
+from tenx.model.flops import count_params
 from tenx.model.transformer import Transformer
 from tenx.plan.hardware import pick_device, tune_cpu_allocator
 from tenx.train import checkpoint as ckpt
@@ -28,7 +30,10 @@ class LoadedModel:
     @property
     def data_dir(self) -> Path:
         """The prepared data directory the model was trained on (absolute, so any working directory works)."""
-        return Path(self.meta.get("data_dir") or self.meta["config"]["data"]["dir"])
+        recorded = self.meta.get("data_dir") or self.meta.get("config", {}).get("data", {}).get("dir")
+        if type(recorded) is not str or not recorded:
+            raise CheckpointError(f"checkpoint {self.checkpoint}: {ckpt.MANIFEST} records no data directory")
+        return Path(recorded)
 
 
 def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
@@ -47,15 +52,50 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
 
 
 def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
-    """Rebuild the model recorded in the checkpoint and load its weights (no optimizer state)."""
+    """Rebuild the model recorded in the checkpoint and load its weights (no optimizer state).
+
+    The checkpoint is verified first, and the model its manifest records must fit in the tensors its DCP
+    metadata lists, so a forged manifest cannot make this allocate more than the checkpoint holds.
+    """
     path, run_dir = resolve_checkpoint(target)
-    model_cfg = cfglib.from_dict(ModelConfig, ckpt.read_checkpoint_meta(path)["model"])
+    meta = ckpt.verify_checkpoint(path, require=_EVAL_FIELDS)
+    model_cfg = _model_config(path, meta["model"])
+    stored = ckpt.read_dcp_metadata(path, meta).state_dict_metadata
+    held = sum(math.prod(e.size) for k, e in stored.items() if k.startswith("model.") and hasattr(e, "size"))
+    params = count_params(model_cfg).total
+    if params > held:  # held counts a tied weight twice: fewer parameters than it holds is not an error here
+        raise CheckpointError(
+            f"checkpoint {path}: its manifest records a model of {params:,} parameters, but it holds only "
+            f"{held:,} model values"
+        )
     dev = pick_device(device)
     if dev.type == "cpu":
         tune_cpu_allocator()
-    model = Transformer(model_cfg).to(dev)
+    try:
+        model = Transformer(model_cfg).to(dev)
+    except (RuntimeError, ValueError, OverflowError) as e:  # values validate() does not range-check
+        raise CheckpointError(
+            f"checkpoint {path}: the model its manifest records cannot be built ({type(e).__name__}: {e})"
+        ) from None
     tensors = {"model": get_model_state_dict(model)}
-    meta = ckpt.load_checkpoint(path, tensors)  # verifies every file's checksum first
+    meta = ckpt.load_checkpoint(path, tensors, verify=False, require=_EVAL_FIELDS)  # verified above
     set_model_state_dict(model, tensors["model"])
     model.eval()
     return LoadedModel(model, path, meta, run_dir)
+
+
+_EVAL_FIELDS = ("model", "tokens")
+
+
+def _model_config(path: Path, recorded: dict[str, Any]) -> ModelConfig:
+    """The manifest's model config, complete (every derived field filled in) and valid."""
+    try:
+        cfg = cfglib.from_dict(ModelConfig, recorded)
+        cfg.validate()
+        if cfg.resolved(cfg.vocab_size) != cfg:
+            raise ConfigError(
+                "it is not a resolved config (every derived field filled in, vocabulary padded)"
+            )
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {path}: {ckpt.MANIFEST} field 'model' is invalid: {e}") from None
+    return cfg

@@ -40,17 +40,17 @@ from torch.distributed.checkpoint.state_dict import (
 import tenx
 from tenx import config as cfglib
 from tenx.data.loader import TokenLoader, TokenStream, sequential_windows
-from tenx.errors import CheckpointError, ConfigError, TenxError
+from tenx.errors import CheckpointError, ConfigError, DataError, TenxError, UnsafeCheckpointError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer, lm_loss
 from tenx.monitor.events import EventLog
 from tenx.monitor.goodput import Ledger, process_start_time
 from tenx.plan.hardware import (
-    cpu_has_fast_bf16,
     hardware_summary,
     peak_flops,
     pick_device,
+    resolve_precision,
     tune_cpu_allocator,
 )
 from tenx.train import checkpoint as ckpt
@@ -64,16 +64,19 @@ from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
 
 __all__ = ["Callback", "Trainer", "resolve_precision", "seed_everything"]
 
-
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype for 'auto' | 'fp32' | 'bf16' on `device`."""
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+# The manifest fields a resume reads (loader.* are the ones TokenLoader.load_state_dict needs).
+_RESUME_FIELDS = (
+    "model",
+    "tokens",
+    "optim_param_groups",
+    "python_rng",
+    "numpy_rng",
+    "callbacks",
+    "loader.epoch",
+    "loader.cursor",
+    "loader.seed",
+    "loader.num_windows",
+)
 
 
 def git_commit() -> str | None:
@@ -449,6 +452,8 @@ class Trainer:
             if step < first_bad:
                 try:
                     ckpt.verify_checkpoint(path)
+                except UnsafeCheckpointError:
+                    raise  # a forged checkpoint stops the run, as in latest_verified
                 except CheckpointError as e:
                     print(f"tenx: guard: skipping checkpoint that does not verify: {e}")
                     continue
@@ -558,8 +563,15 @@ class Trainer:
         return blocked
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore model, optimizer, loader, RNGs, counters and callback state from a checkpoint."""
-        saved_model = ckpt.read_checkpoint_meta(path)["model"]
+        """Restore model, optimizer, loader, RNGs, counters and callback state from a checkpoint.
+
+        The manifest's fields are type-checked when read (checkpoint.validate_manifest); a value that is
+        well-typed but still cannot be applied (an RNG state of the wrong length, a param group that does
+        not fit this optimizer) is a CheckpointError naming the checkpoint, not a traceback.
+        """
+        # Rank 0 verifies first, so a forged checkpoint is named as such whatever model it claims to hold.
+        read = ckpt.verify_checkpoint if self.rank == 0 else ckpt.read_checkpoint_meta
+        saved_model = read(path, require=("model",))["model"]
         ours = cfglib.to_dict(self.model_cfg)
         if saved_model != ours:
             diff = ", ".join(
@@ -569,7 +581,24 @@ class Trainer:
             )
             raise CheckpointError(f"checkpoint {path} holds a different model ({diff})")
         tensors, _ = self._state_tensors()
-        meta = ckpt.load_checkpoint(path, tensors, process_group=self.checkpoint_group, verify=self.rank == 0)
+        meta = ckpt.load_checkpoint(
+            path,
+            tensors,
+            process_group=self.checkpoint_group,
+            verify=False,  # verified above
+            require=_RESUME_FIELDS,
+        )
+        try:
+            self._restore_state(tensors, meta)
+        except DataError as e:  # the loader's position was saved for other data
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {path}: its training state cannot be restored ({type(e).__name__}: {e})"
+            ) from None
+        self.resumed_from = Path(path)
+
+    def _restore_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
         set_model_state_dict(self.model, tensors["model"])
         set_optimizer_state_dict(
             self.model,
@@ -592,7 +621,6 @@ class Trainer:
         if self.replicas is not None and "replicas" in meta:
             self.replicas.load_state_dict(meta["replicas"])
         self.state_generation += 1
-        self.resumed_from = Path(path)
 
     # ----- healing from a live peer group (torchft) ----------------------------------------------------
     def replica_state_dict(self) -> dict[str, Any]:
