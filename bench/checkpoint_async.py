@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from tenx.checkpoint import AsyncCheckpointer
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer, lm_loss
-from tenx.train.checkpoint import AsyncCheckpointer
 
 VOCAB, SEQ_LEN, MICRO_BATCH = 50257, 128, 4
 

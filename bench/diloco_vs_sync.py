@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
-from tenx.train.lighthouse import start_lighthouse
+from tenx.parallel.lighthouse import start_lighthouse
 
 
 def prepare_data(out: Path) -> Path:

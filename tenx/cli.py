@@ -43,7 +43,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
     if args.supervise:
-        from tenx.train.supervise import child_environment, format_report, supervise
+        from tenx.launch.supervise import child_environment, format_report, supervise
 
         child_args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)]
         for item in overrides:
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("run_dir", help="run directory")
     stp.set_defaults(func=cmd_status)
 
-    from tenx.train.lighthouse import add_lighthouse_parser
+    from tenx.parallel.lighthouse import add_lighthouse_parser
 
     add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
     from tenx.scaling.fit import add_fit_parser

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tenx import checkpoint as ckpt
 from tenx.data.manifest import read_manifest, split_documents_text
 from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
 from tenx.eval.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.eval.run import evaluate
 from tenx.monitor.plots import plot_loss_curve
-from tenx.train import checkpoint as ckpt
 from tenx.train.config import load_run_config, resolve_config_path
 from tenx.train.run import train
 from tenx.utils.io import atomic_write_json

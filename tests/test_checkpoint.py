@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
+from tenx import checkpoint as ckpt
 from tenx.errors import CheckpointError
-from tenx.train import checkpoint as ckpt
 from tenx.utils.io import file_xxhash
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from tenx import checkpoint as ckpt
 from tenx.errors import CheckpointError
-from tenx.train import checkpoint as ckpt
 
 
 def state(seed: int) -> dict:
@@ -177,7 +177,7 @@ def test_sync_failure_names_the_step(tmp_path):
 
 KILL_MID_SAVE = """
 import os, signal, sys, torch
-from tenx.train import checkpoint as ckpt
+from tenx import checkpoint as ckpt
 
 state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}}
 cp = ckpt.AsyncCheckpointer(sys.argv[1], keep_last=3)
@@ -231,7 +231,9 @@ def test_prune_verifies_newest_first_and_stops_at_the_first_good_one(tmp_path, m
         ckpt.save_checkpoint(tmp_path, step, state(step), {})
     verified = []
     real_verify = ckpt.verify_checkpoint
-    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda p: verified.append(p.name) or real_verify(p))
+    monkeypatch.setattr(  # pruning lives in tenx.checkpoint.store: patch the name it calls
+        ckpt.store, "verify_checkpoint", lambda p: verified.append(p.name) or real_verify(p)
+    )
     assert ckpt.prune_checkpoints(tmp_path, keep_last=2) == [
         tmp_path / "step_00000001",
         tmp_path / "step_00000002",

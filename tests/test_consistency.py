@@ -20,8 +20,7 @@ import torch.multiprocessing as mp
 
 from tenx.errors import ConfigError, TenxError
 from tenx.monitor.events import EventLog, read_events
-from tenx.train.config import CONFIG_DIR
-from tenx.train.consistency import (
+from tenx.parallel.consistency import (
     ConsistencyCheck,
     ConsistencyConfig,
     find_divergent,
@@ -31,6 +30,7 @@ from tenx.train.consistency import (
     parameter_digest,
     tensor_digest,
 )
+from tenx.train.config import CONFIG_DIR
 from tenx.train.faults import FaultInjector, parse_fault
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}

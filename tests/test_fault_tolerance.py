@@ -12,17 +12,17 @@ import sys
 import pytest
 import torch
 
+from tenx import checkpoint as ckpt
 from tenx.cli import main
 from tenx.errors import ConfigError, DataError
 from tenx.eval.load import load_model
+from tenx.launch.supervise import supervise
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput
 from tenx.monitor.metrics import read_metrics
 from tenx.plan.failures import expected_goodput, young_daly_interval_s
-from tenx.train import checkpoint as ckpt
 from tenx.train.faults import parse_fault
 from tenx.train.run import train
-from tenx.train.supervise import supervise
 
 # Child processes of the supervised tests: one thread each, so two never fight over the 2 cores.
 TINY = ["--config", "tiny", "--set", "train.threads=1", "--set", "log.progress=false"]

@@ -17,8 +17,8 @@ import pytest
 
 from tenx.config import dumps_toml
 from tenx.errors import ConfigError
+from tenx.parallel.distributed import DistEnv, dist_env, resolve_backend
 from tenx.train.config import CONFIG_DIR, accumulation_steps, load_run_config
-from tenx.train.parallel import DistEnv, dist_env, resolve_backend
 
 STEPS = 20
 TOL = 1e-5

@@ -26,8 +26,8 @@ os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs ever
 from tenx.errors import TenxError
 from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
-from tenx.train.lighthouse import add_lighthouse_parser, parse_bind, start_lighthouse
-from tenx.train.replicas import ReplicaConfig, Replicas, _fragments
+from tenx.parallel.lighthouse import add_lighthouse_parser, parse_bind, start_lighthouse
+from tenx.parallel.replicas import ReplicaConfig, Replicas, _fragments
 
 # A slightly wider tiny model, so that a step (~20-40 ms on one thread) dwarfs the per-step overheads.
 MODEL = ["model.d_model=128", "train.micro_batch=16", "optim.warmup_steps=5", "log.tensorboard=false"]
@@ -261,7 +261,7 @@ def test_lighthouse_command_serves_and_stops_on_sigterm(tmp_path):
         parser.parse_args(["lighthouse"])  # --bind is required
 
     port = _free_port()
-    code = f"from tenx.train.lighthouse import run_lighthouse; run_lighthouse('127.0.0.1:{port}')"
+    code = f"from tenx.parallel.lighthouse import run_lighthouse; run_lighthouse('127.0.0.1:{port}')"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert "serving on" in proc.stdout.readline()

@@ -29,7 +29,7 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")
 
 from tenx.errors import ConfigError, TenxError
-from tenx.train.peer_transport import (
+from tenx.parallel.peer_transport import (
     AUTH_HEADER,
     MAGIC,
     PeerStateError,
@@ -38,7 +38,7 @@ from tenx.train.peer_transport import (
     encode_state,
     read_secret,
 )
-from tenx.train.replicas import ReplicaConfig
+from tenx.parallel.replicas import ReplicaConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchft and /proc are Linux")
 
@@ -312,7 +312,7 @@ FAKE_PEER = textwrap.dedent(
 
 def _hostile_heal(tmp_path: Path, data_dir: Path, body: bytes, *, secret: str | None, mac: str = "") -> tuple:
     """A lighthouse, a fake group 0 serving `body`, and a real group 1 that must heal from it."""
-    from tenx.train.lighthouse import start_lighthouse
+    from tenx.parallel.lighthouse import start_lighthouse
 
     server, address = start_lighthouse(
         f"127.0.0.1:{_free_port()}", min_groups=2, join_timeout_ms=5000, quorum_tick_ms=10

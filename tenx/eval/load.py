@@ -9,13 +9,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.errors import CheckpointError, ConfigError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params
 from tenx.model.transformer import Transformer
 from tenx.plan.hardware import pick_device, tune_cpu_allocator
-from tenx.train import checkpoint as ckpt
 
 
 @dataclass

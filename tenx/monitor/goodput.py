@@ -391,7 +391,7 @@ def format_status(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise TenxError(f"run directory {run_dir} does not exist (pass the --run-dir of a `tenx train` run)")
-    from tenx.train.checkpoint import latest_verified, list_checkpoints
+    from tenx.checkpoint import latest_verified, list_checkpoints
 
     report = compute_goodput(run_dir)
     metrics: list[dict[str, Any]] = []

@@ -143,8 +143,8 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
 # ----- running ---------------------------------------------------------------------------------------
 def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[str, Any]:
     """Train (or resume, or reuse) one planned run, evaluate it and record its row in results.jsonl."""
+    from tenx import checkpoint as ckpt
     from tenx.monitor.plots import plot_loss_curve
-    from tenx.train import checkpoint as ckpt
     from tenx.train.run import train
 
     ladder_dir = Path(ladder_dir)

@@ -11,10 +11,10 @@ from tenx.config import field
 from tenx.data.loader import DataConfig
 from tenx.errors import ConfigError, TenxError
 from tenx.model.config import ModelConfig
+from tenx.parallel.distributed import ParallelConfig
 from tenx.train.faults import FaultConfig
 from tenx.train.guard import GuardConfig
 from tenx.train.optim import OptimConfig
-from tenx.train.parallel import ParallelConfig
 from tenx.train.watchdog import WatchdogConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

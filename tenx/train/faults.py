@@ -19,7 +19,7 @@ Kinds:
                       and make the loader reopen its shards, as a restarted process would
   slow                sleep `seconds` (default 1.0) before the step: a straggler
   bitflip             flip one bit of one parameter on one rank (silent data corruption; the replica
-                      consistency checks of tenx/train/consistency.py should name the rank)
+                      consistency checks of tenx/parallel/consistency.py should name the rank)
 
 Options: `count=C` (also fire at the C-1 following steps), `factor=F` (spike), `seconds=S` (slow,
 hang), `phase=step|save` (sigkill), `shard=I` (corrupt-shard: index in the split, default the shard
@@ -257,7 +257,7 @@ class FaultInjector(Callback):
             self._record(trainer, spec, step, factor=factor)
             self._hooks.append(trainer.model.register_forward_hook(_scale_output(factor)))
         elif kind == "corrupt-checkpoint":
-            from tenx.train.checkpoint import list_checkpoints
+            from tenx.checkpoint import list_checkpoints
 
             found = []
             for checkpointer in (trainer.checkpointer, trainer.memory_checkpointer):

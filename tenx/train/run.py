@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
+from tenx import checkpoint as ckpt
 from tenx.errors import TenxError
 from tenx.monitor.metrics import MetricsLogger, Progress
+from tenx.parallel.consistency import ConsistencyCheck
+from tenx.parallel.distributed import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.plan.hardware import pick_device
-from tenx.train import checkpoint as ckpt
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.config import RunConfig
-from tenx.train.consistency import ConsistencyCheck
 from tenx.train.faults import build_injector
-from tenx.train.parallel import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.train.trainer import Callback, Trainer
 
 

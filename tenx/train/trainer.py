@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import tenx
+from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.data.loader import TokenLoader, TokenStream, sequential_windows
 from tenx.errors import CheckpointError, ConfigError, DataError, TenxError, UnsafeCheckpointError
@@ -46,6 +47,7 @@ from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer, lm_loss
 from tenx.monitor.events import EventLog
 from tenx.monitor.goodput import Ledger, process_start_time
+from tenx.parallel.distributed import DistEnv, all_reduce_mean_, dist_env, full_value, rank_device, wrap_model
 from tenx.plan.hardware import (
     hardware_summary,
     peak_flops,
@@ -53,12 +55,10 @@ from tenx.plan.hardware import (
     resolve_precision,
     tune_cpu_allocator,
 )
-from tenx.train import checkpoint as ckpt
 from tenx.train.config import RunConfig, accumulation_steps
 from tenx.train.guard import StepGuard
 from tenx.train.hooks import Callback
 from tenx.train.optim import build_optimizer, lr_at
-from tenx.train.parallel import DistEnv, all_reduce_mean_, dist_env, full_value, rank_device, wrap_model
 from tenx.train.watchdog import Watchdog
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
 
@@ -152,7 +152,7 @@ class Trainer:
         self.replicas: Any = None
         groups, group_id = 1, 0
         if cfg.parallel.replicas.mode != "off":
-            from tenx.train.replicas import Replicas
+            from tenx.parallel.replicas import Replicas
 
             self.replicas = Replicas(
                 cfg.parallel.replicas,

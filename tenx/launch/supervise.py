@@ -115,7 +115,7 @@ class _Spares:
     def warm(self) -> None:
         if self.enabled and self.spare is None:
             self.spare = subprocess.Popen(
-                [sys.executable, "-m", "tenx.train.worker"], stdin=subprocess.PIPE, env=self.env
+                [sys.executable, "-m", "tenx.launch.worker"], stdin=subprocess.PIPE, env=self.env
             )
 
     def take(self, argv: list[str]) -> subprocess.Popen[bytes] | None:

@@ -13,7 +13,7 @@ store in the environment; `init_distributed` joins that process group (gloo on C
 
 The loader splits every global batch across ranks (and replica groups), so with a fixed
 `train.global_batch` the loss curve does not depend on the number of processes. Replica groups across
-clusters (torchft) are in tenx/train/replicas.py; replica consistency checks in consistency.py.
+clusters (torchft) are in tenx/parallel/replicas.py; replica consistency checks in consistency.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch import nn
 
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.train.consistency import ConsistencyConfig
-from tenx.train.replicas import ReplicaConfig
+from tenx.parallel.consistency import ConsistencyConfig
+from tenx.parallel.replicas import ReplicaConfig
 
 STRATEGIES = ("ddp", "fsdp")
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.train.peer_transport import PeerStateError, TensorTransport, read_secret, url_host
+from tenx.parallel.peer_transport import PeerStateError, TensorTransport, read_secret, url_host
 
 GROUP_ENV = "TENX_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"

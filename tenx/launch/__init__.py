@@ -1,0 +1,1 @@
+"""Launching runs: the supervisor that restarts them, and its warm spare worker."""

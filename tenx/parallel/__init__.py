@@ -1,0 +1,1 @@
+"""Data parallelism in a cluster (torchrun: DDP, FSDP2) and across clusters (torchft replica groups)."""
