@@ -30,7 +30,7 @@ from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, format_goodput
 from tenx.plan.failures import expected_goodput
-from tenx.train.faults import parse_fault
+from tenx.train.callbacks.faults import parse_fault
 
 PACKAGES = ("json", "email", "http", "xml")
 

@@ -1,4 +1,9 @@
-"""The `tenx` command: a thin layer over the Python API. Errors print one clear line and exit 2."""
+"""The `tenx` command: a thin layer over the Python API. Errors print one clear line and exit 2.
+
+Every argparse parser lives here. Flags that mirror a config dataclass (`tenx data prepare`, `ladder`,
+`derisk`, `fit`, `lighthouse`) are generated from its fields (tenx.config.add_config_arguments), so their
+defaults, help and choices are written once, in the dataclass.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +11,19 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
+from tenx.rundir import RunDir
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from tenx.data.prepare import PrepareConfig, format_summary, prepare
 
-    cfg = PrepareConfig(
-        source=args.source,
-        out=args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_ratio=args.val_ratio,
-        heldout_ratio=args.heldout_ratio,
-        seed=args.seed,
-        patterns=args.pattern or None,
-        text_field=args.text_field,
-        column=args.column,
-        shard_tokens=args.shard_tokens,
-        max_documents=args.max_documents,
-    )
+    cfg = config_from_args(PrepareConfig, args, PREPARE_FLAGS)
     manifest = prepare(cfg, progress=not args.quiet)
     print(format_summary(manifest, args.out))
 
@@ -72,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
     print(format_goodput(compute_goodput(run_dir)))
-    print(f"run directory: {run_dir}  (metrics: {run_dir / 'metrics.jsonl'}, status: tenx status {run_dir})")
+    print(f"run directory: {run_dir}  (metrics: {RunDir(run_dir).metrics}, status: tenx status {run_dir})")
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -135,16 +131,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 def cmd_ladder(args: argparse.Namespace) -> None:
     from tenx.scaling.ladder import LadderConfig, load_base, parse_budgets, run_ladder
 
-    lc = LadderConfig(
-        grid=args.grid,
-        tokens_per_param=args.tokens_per_param,
-        sizes=args.sizes,
-        unique_tokens=args.unique_tokens,
-        seeds=args.seeds,
-        eval_bytes=args.eval_bytes,
-        min_depth=args.min_depth,
-        max_depth=args.max_depth,
-    )
+    lc = config_from_args(LadderConfig, args, LADDER_FLAGS)
     if args.budgets:
         lc.budgets = parse_budgets(args.budgets)
     argv = list(args.argv)
@@ -180,41 +167,262 @@ def cmd_derisk(args: argparse.Namespace) -> None:
     run_derisk(dc, args.out, dry_run=args.dry_run)
 
 
+def cmd_fit(args: argparse.Namespace) -> None:
+    """`tenx fit`: fit, print the summary, write the JSON and PNG."""
+    from tenx.scaling.fit import format_report, run_fit
+
+    report = run_fit(
+        args.input,
+        law=args.law,
+        target=args.target,
+        out_dir=args.out,
+        json_out=args.json,
+        plot=not args.no_plot,
+        **{name: getattr(args, name) for name in FIT_FLAGS},
+        min_tokens_per_param=args.min_tokens_per_param,
+        max_residual=args.max_residual,
+        params_column=args.params_column,
+        tokens_column=args.tokens_column,
+        loss_column=args.loss_column,
+        flops_column=args.flops_column,
+        unique_column=args.unique_column,
+        filters=args.filter,
+        holdout=args.holdout,
+    )
+    print(format_report(report))
+
+
+def cmd_lighthouse(args: argparse.Namespace) -> None:
+    """The `tenx lighthouse` command."""
+    from tenx.parallel.lighthouse import run_lighthouse
+
+    run_lighthouse(args.bind, **{name: getattr(args, name) for name in LIGHTHOUSE_FLAGS})
+
+
+# ----- flags generated from config fields ------------------------------------------------------------
+PREPARE_FLAGS = (
+    "source",
+    "out",
+    "tokenizer",
+    "vocab_size",
+    "val_ratio",
+    "heldout_ratio",
+    "seed",
+    "patterns",
+    "text_field",
+    "column",
+    "shard_tokens",
+    "max_documents",
+)
+"""The PrepareConfig fields `tenx data prepare` takes as flags."""
+LADDER_FLAGS = (
+    "grid",
+    "tokens_per_param",
+    "sizes",
+    "min_depth",
+    "max_depth",
+    "unique_tokens",
+    "seeds",
+    "eval_bytes",
+)
+"""The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
+FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")
+"""The FitConfig fields `tenx fit` takes as flags."""
+LIGHTHOUSE_FLAGS = ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms")
+"""The LighthouseConfig fields `tenx lighthouse` takes as flags."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose arguments may be added when it is first used (`defer`), so that building the whole
+    CLI imports no component: `tenx status` does not import torch for the flags of `tenx ladder`."""
+
+    _deferred: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def defer(self, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+        self._deferred = add_arguments
+
+    def _complete(self) -> None:
+        if self._deferred is not None:
+            add_arguments, self._deferred = self._deferred, None
+            add_arguments(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+
+def _command(
+    subparsers: Any,
+    name: str,
+    help: str,
+    func: Callable[[argparse.Namespace], None],
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    """Register subcommand `name` running `func`; `add_arguments(parser)` adds its flags when it is first
+    used (at once on a plain argparse parser)."""
+    parser = subparsers.add_parser(name, help=help)
+    parser.set_defaults(func=func)
+    if isinstance(parser, _Parser):
+        parser.defer(add_arguments)
+    else:
+        add_arguments(parser)
+    return parser
+
+
+def _add_set(parser: argparse.ArgumentParser, help: str) -> None:
+    """The repeatable `--set SECTION.KEY=VALUE` override."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
+    from tenx.data.prepare import PrepareConfig
+
+    add_config_arguments(dp, PrepareConfig, PREPARE_FLAGS, flags={"patterns": "--pattern"})
+    dp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
+    from tenx.scaling.planner import LadderConfig
+
+    lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
+    _add_set(lp, "override the base config")
+    lp.add_argument(
+        "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 30x CPU ladder)"
+    )
+    add_config_arguments(lp, LadderConfig, LADDER_FLAGS)
+    lp.add_argument("--out", required=True, help="ladder directory (runs/, results.jsonl, plan.json)")
+    lp.add_argument("--dry-run", action="store_true", help="print the plan and estimated time; train nothing")
+    lp.add_argument(
+        "--emit", choices=["torchrun", "slurm"], help="write cluster launch scripts; train nothing"
+    )
+    lp.add_argument("--nproc", type=int, default=8, help="with --emit: processes (GPUs) per node")
+    lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
+
+
+def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
+    from tenx.scaling.derisk import DeriskConfig
+
+    rp.add_argument(
+        "--config",
+        help="a derisk TOML file (e.g. configs/derisk/gpt2_to_llama.toml); the flags below override its values",
+    )
+    add_config_arguments(rp, DeriskConfig, ["base"], overrides=True)
+    _add_set(rp, "override the base config")
+    rp.add_argument(
+        "--change",
+        action="append",
+        default=[],
+        metavar="NAME:SECTION.KEY=VALUE[,...]",
+        help="a change (repeatable, stacked in the given order); replaces the file's changes",
+    )
+    rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
+    add_config_arguments(rp, DeriskConfig, ["seeds", "target"], overrides=True)
+    rp.add_argument(
+        "--out", required=True, help="output directory (ladder/, report.md, report.png, derisk.json)"
+    )
+    rp.add_argument("--dry-run", action="store_true", help="print the stack and its runs; train nothing")
+
+
+def _fit_arguments(fp: argparse.ArgumentParser) -> None:
+    from tenx.scaling.fit import LAWS, FitConfig
+
+    fp.add_argument("input", help="LADDER_DIR (its results.jsonl), a .csv or a .jsonl with one row per run")
+    fp.add_argument(
+        "--law", choices=LAWS, default="chinchilla", help="L(N,D), L(C) or L(N,D,U) (default chinchilla)"
+    )
+    fp.add_argument(
+        "--target", help="extrapolate to N=PARAMS,D=TOKENS (U=UNIQUE for data-constrained) or to C=FLOPS"
+    )
+    fp.add_argument("--params-column", default="params", help="parameter count column (default params)")
+    fp.add_argument("--tokens-column", default="tokens", help="training tokens column (default tokens)")
+    fp.add_argument(
+        "--loss-column", default="heldout_loss", help="loss column, nats/token (default heldout_loss)"
+    )
+    fp.add_argument(
+        "--flops-column",
+        default="flops",
+        help="training FLOPs column; C = 6ND when a row lacks it (default flops)",
+    )
+    fp.add_argument(
+        "--unique-column", default="unique_tokens", help="unique tokens column (data-constrained)"
+    )
+    fp.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="COLUMN=VALUE",
+        help="keep only matching rows (repeatable)",
+    )
+    fp.add_argument(
+        "--holdout",
+        metavar="EXPR",
+        help="rows to predict instead of fit, e.g. 'params>=1e9' or 'params>=1e9 & tokens<1e11'",
+    )
+    fp.add_argument("--json", help="report JSON path (default OUT/INPUT_fit_LAW.json)")
+    fp.add_argument("--out", help="directory of the plot (default: next to the input)")
+    fp.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    add_config_arguments(fp, FitConfig, FIT_FLAGS, show_defaults=True)
+    fp.add_argument(
+        "--min-tokens-per-param",
+        type=float,
+        default=0.0,
+        help="leave out runs with fewer training tokens per parameter (default 0: keep all)",
+    )
+    fp.add_argument(
+        "--max-residual",
+        type=float,
+        default=0.05,
+        help="leave out runs this far off the fit to the others, in log loss (default 0.05; 0: keep all)",
+    )
+
+
+def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx fit` on the CLI's subparsers."""
+    about = "fit a scaling law to finished runs and extrapolate, with bootstrap intervals"
+    return _command(subparsers, "fit", about, cmd_fit, _fit_arguments)
+
+
+def _lighthouse_arguments(lp: argparse.ArgumentParser) -> None:
+    from tenx.parallel.lighthouse import LighthouseConfig
+
+    lp.add_argument(
+        "--bind",
+        required=True,
+        metavar="ADDR:PORT",
+        help="where to listen: 127.0.0.1:PORT for one machine, ADDR:PORT with this machine's address on "
+        "the network the groups share otherwise (0.0.0.0:PORT listens on every interface; docs/security.md)",
+    )
+    add_config_arguments(lp, LighthouseConfig, LIGHTHOUSE_FLAGS, show_defaults=True)
+
+
+def add_lighthouse_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx lighthouse` on the CLI's subparsers."""
+    about = "run torchft's lighthouse: the rendezvous of replica groups (parallel.replicas)"
+    return _command(subparsers, "lighthouse", about, cmd_lighthouse, _lighthouse_arguments)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    p = argparse.ArgumentParser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
+    p = _Parser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
     sub = p.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="prepare corpora").add_subparsers(dest="data_command", required=True)
-    dp = data.add_parser("prepare", help="corpus -> tokenizer -> shards + manifest, split by document")
-    dp.add_argument(
-        "--source",
-        required=True,
-        help="DIR | FILE.txt | FILE.jsonl | FILE.parquet | hf:NAME[:SPLIT] | stdlib",
-    )
-    dp.add_argument("--out", required=True, help="output data directory")
-    dp.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
-    dp.add_argument("--vocab-size", type=int, default=8192)
-    dp.add_argument("--val-ratio", type=float, default=0.02)
-    dp.add_argument("--heldout-ratio", type=float, default=0.05)
-    dp.add_argument("--seed", type=int, default=0, help="salt of the document-hash split")
-    dp.add_argument(
-        "--pattern", action="append", help="glob for directory sources (repeatable), e.g. '**/*.py'"
-    )
-    dp.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    dp.add_argument("--column", default="text", help="parquet / hf column holding the text")
-    dp.add_argument("--shard-tokens", type=int, default=1 << 26, help="maximum tokens per shard file")
-    dp.add_argument("--max-documents", type=int, default=None, help="stop after this many documents")
-    dp.add_argument("--quiet", action="store_true", help="no progress bar")
-    dp.set_defaults(func=cmd_data_prepare)
+    about = "corpus -> tokenizer -> shards + manifest, split by document"
+    _command(data, "prepare", about, cmd_data_prepare, _prepare_arguments)
 
     tp = sub.add_parser("train", help="train a model from a TOML config")
     tp.add_argument(
         "--config", required=True, help="a .toml path or a shipped config name (configs/NAME.toml)"
     )
-    tp.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override (repeatable)"
-    )
+    _add_set(tp, "override (repeatable)")
     tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
     tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
     tp.add_argument(
@@ -265,11 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("run_dir", help="run directory")
     stp.set_defaults(func=cmd_status)
 
-    from tenx.parallel.lighthouse import add_lighthouse_parser
-
     add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
-    from tenx.scaling.fit import add_fit_parser
-
     add_fit_parser(sub)  # `tenx fit`: scaling-law fits with bootstrap intervals
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
@@ -299,54 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="auto")
     sp.set_defaults(func=cmd_sample)
 
-    lp = sub.add_parser("ladder", help="plan and run a scaling ladder from FLOP budgets")
-    lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
-    lp.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the base config"
-    )
-    lp.add_argument(
-        "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 30x CPU ladder)"
-    )
-    lp.add_argument("--grid", choices=["isoflop", "ratio"], default="isoflop")
-    lp.add_argument("--tokens-per-param", type=float, default=20.0, help="the D/N ratio the grid centres on")
-    lp.add_argument("--sizes", type=int, default=3, help="isoflop: model sizes per budget")
-    lp.add_argument("--min-depth", type=int, default=1)
-    lp.add_argument("--max-depth", type=int, default=32)
-    lp.add_argument(
-        "--unique-tokens", type=int, default=None, help="cap distinct training tokens (repeats data)"
-    )
-    lp.add_argument("--seeds", type=int, default=1, help="seeds per run")
-    lp.add_argument("--eval-bytes", type=int, default=262144, help="bytes scored per split (0: whole split)")
-    lp.add_argument("--out", required=True, help="ladder directory (runs/, results.jsonl, plan.json)")
-    lp.add_argument("--dry-run", action="store_true", help="print the plan and estimated time; train nothing")
-    lp.add_argument(
-        "--emit", choices=["torchrun", "slurm"], help="write cluster launch scripts; train nothing"
-    )
-    lp.add_argument("--nproc", type=int, default=8, help="with --emit: processes (GPUs) per node")
-    lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
-    lp.set_defaults(func=cmd_ladder)
-
-    rp = sub.add_parser("derisk", help="add changes one at a time; check each gain persists across budgets")
-    rp.add_argument("--config", help="a derisk TOML file (e.g. configs/derisk/gpt2_to_llama.toml)")
-    rp.add_argument("--base", help="base run config (.toml or shipped name); overrides the file's")
-    rp.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the base config"
-    )
-    rp.add_argument(
-        "--change",
-        action="append",
-        default=[],
-        metavar="NAME:SECTION.KEY=VALUE[,...]",
-        help="a change (repeatable, stacked in the given order); replaces the file's changes",
-    )
-    rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
-    rp.add_argument("--seeds", type=int, default=None, help="seeds at the smallest budget")
-    rp.add_argument("--target", type=float, default=None, help="budget to extrapolate the multipliers to")
-    rp.add_argument(
-        "--out", required=True, help="output directory (ladder/, report.md, report.png, derisk.json)"
-    )
-    rp.add_argument("--dry-run", action="store_true", help="print the stack and its runs; train nothing")
-    rp.set_defaults(func=cmd_derisk)
+    _command(sub, "ladder", "plan and run a scaling ladder from FLOP budgets", cmd_ladder, _ladder_arguments)
+    about = "add changes one at a time; check each gain persists across budgets"
+    _command(sub, "derisk", about, cmd_derisk, _derisk_arguments)
 
     qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
     qp.add_argument("--out", default="runs/quickstart", help="output directory")

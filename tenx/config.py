@@ -1,16 +1,21 @@
 """Typed configuration trees: dataclasses loaded from TOML with dotted-key overrides.
 
-Each component owns a small dataclass `Config` whose fields carry a `help` string in their metadata and
-whose `validate()` names the bad field. This module only knows how to turn a TOML table into such a tree,
-checking every key and type before any work starts, and how to turn the tree back into plain data.
+Each component owns a small dataclass `Config` whose fields carry a `help` string and, for numbers, bounds
+(`ge`, `gt`, `le`, `lt`) in their metadata; choices are Literal types. Its `validate()` checks the bounds
+(`check_bounds`) and what relates several fields, naming the bad field. This module only knows how to turn
+a TOML table into such a tree, checking every key, type and bound before any work starts, and how to turn
+the tree back into plain data.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import operator
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -24,13 +29,88 @@ else:  # pragma: no cover
 T = TypeVar("T")
 
 
+BOUNDS = {
+    "ge": (">=", operator.ge),
+    "gt": (">", operator.gt),
+    "le": ("<=", operator.le),
+    "lt": ("<", operator.lt),
+}
+"""The bounds a numeric field may carry (`field(..., ge=1)`): how a message writes each, and its test."""
+
+
 def field(
-    default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_factory: Any = dataclasses.MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any:
-    """A dataclass field with a help string (shown in errors and docs)."""
+    """A dataclass field with a help string (shown in errors and docs) and optional numeric bounds.
+
+    `ge`/`gt`/`le`/`lt` bound a number (value >= ge, > gt, <= le, < lt); `check_bounds` enforces them
+    (a None value and a non-number alternative such as 'auto' are not bounded). Choices are a Literal type.
+    """
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    metadata = {"help": help, **({"bounds": bounds} if bounds else {})}
     if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def bounds_text(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
+    """What a field's bounds allow, as a message writes it: '>= 1', 'in [0, 1)'; '' when unbounded."""
+    bounds = f.metadata.get("bounds", {})
+    lower = next(((k, bounds[k]) for k in ("ge", "gt") if k in bounds), None)
+    upper = next(((k, bounds[k]) for k in ("le", "lt") if k in bounds), None)
+    if lower and upper:
+        return (
+            f"in {'[' if lower[0] == 'ge' else '('}{lower[1]}, {upper[1]}{']' if upper[0] == 'le' else ')'}"
+        )
+    bound = lower or upper
+    return f"{BOUNDS[bound[0]][0]} {bound[1]}" if bound else ""
+
+
+def _check_node_bounds(cfg: Any, where: str) -> None:
+    """Check the bounds of `cfg`'s own fields (not of nested configs)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "bounds" not in f.metadata or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if not all(BOUNDS[k][1](value, bound) for k, bound in f.metadata["bounds"].items()):  # NaN fails
+            others = _literals(get_type_hints(type(cfg))[f.name])  # 'auto' of `int | Literal['auto']`
+            alternatives = "".join(f" or {a!r}" for a in others if not isinstance(a, (int, float)))
+            path = f"{where}.{f.name}" if where else f.name
+            raise ConfigError(f"{path}: must be {bounds_text(f)}{alternatives}, got {value}")
+
+
+def _literals(tp: Any) -> list[Any]:
+    """The Literal values an annotation allows."""
+    if get_origin(tp) is Literal:
+        return list(get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return [v for arg in get_args(tp) for v in _literals(arg)]
+    return []
+
+
+def check_bounds(cfg: Any, where: str = "") -> None:
+    """Check the `ge`/`gt`/`le`/`lt` bounds of every field of a config tree; the error names the field.
+
+    `where` is the tree's dotted path ('parallel.replicas'); `from_dict` runs this on every node it builds,
+    and each config's `validate()` on itself, so a tree built in Python is checked too.
+    """
+    _check_node_bounds(cfg, where)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        path = f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, path)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    check_bounds(item, f"{path}[{i}]")
 
 
 def _type_name(tp: Any) -> str:
@@ -106,7 +186,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
                 f"unknown key '{path}'; allowed keys{' in [' + where + ']' if where else ''}: {allowed}"
             )
         kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
+    cfg = cls(**kwargs)
+    _check_node_bounds(cfg, where)  # nested configs were checked as they were built
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -189,9 +271,9 @@ def validate_tree(cfg: Any, where: str = "") -> None:
             raise ConfigError(f"{where}{e}" if where and not str(e).startswith(where) else str(e)) from None
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, help) rows for every field of a config tree, for docs and `--help`."""
-    rows: list[tuple[str, str, str, str]] = []
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, help, bounds) rows for every field of a config tree, for docs and `--help`."""
+    rows: list[tuple[str, str, str, str, str]] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
@@ -203,7 +285,9 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             if f.default is not dataclasses.MISSING
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
         )
-        rows.append((prefix + f.name, _type_name(tp), repr(default), f.metadata.get("help", "")))
+        rows.append(
+            (prefix + f.name, _type_name(tp), repr(default), f.metadata.get("help", ""), bounds_text(f))
+        )
     return rows
 
 
@@ -215,7 +299,7 @@ def field_reference(cls: type) -> str:
 
     out: list[str] = []
     current = None
-    for key, type_name, default, help_text in describe(cls):
+    for key, type_name, default, help_text, bounds in describe(cls):
         section = key.rsplit(".", 1)[0]
         if section != current:
             if current is not None:
@@ -223,12 +307,65 @@ def field_reference(cls: type) -> str:
             out += [
                 f"### `[{section}]`",
                 "",
-                "| key | type | default | meaning |",
-                "|-----|------|---------|---------|",
+                "| key | type | range | default | meaning |",
+                "|-----|------|-------|---------|---------|",
             ]
             current = section
-        out.append(f"| `{key}` | {esc(type_name)} | `{esc(default)}` | {esc(help_text)} |")
+        out.append(f"| `{key}` | {esc(type_name)} | {esc(bounds)} | `{esc(default)}` | {esc(help_text)} |")
     return "\n".join(out) + "\n"
+
+
+# ----- command-line flags from config fields (tenx/cli.py) -------------------------------------------
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    fields: Sequence[str],
+    *,
+    flags: dict[str, str] | None = None,
+    overrides: bool = False,
+    show_defaults: bool = False,
+) -> None:
+    """Add a flag for each of `fields` of config dataclass `cls`, its type, default, help and choices taken
+    from the field: `--vocab-size` for `vocab_size`; a Literal gives choices, a list a repeatable flag, a
+    bool (default False) a switch; a field without a default is a required flag.
+
+    `flags` renames flags ({"patterns": "--pattern"}); with `overrides` every default is None (the flag
+    overrides a value read elsewhere, e.g. from a TOML file); `show_defaults` appends "(default X)" to help.
+    """
+    hints = get_type_hints(cls)
+    by_name = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for f in (by_name[name] for name in fields):
+        flag = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
+        tp = hints[f.name]
+        if get_origin(tp) in (Union, types.UnionType):  # X | None: a flag of X, default None
+            (tp,) = [a for a in get_args(tp) if a is not type(None)]
+        default = None if overrides or f.default is dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"].replace("%", "%%")}
+        if tp is bool:
+            if f.default is not False:
+                raise TypeError(f"{cls.__name__}.{f.name}: a switch (bool flag) must default to False")
+            parser.add_argument(flag, action="store_true", **kw)
+            continue
+        kw.update(default=default, metavar=flag.lstrip("-").replace("-", "_").upper())
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        kw["required"] = no_default and not overrides
+        if get_origin(tp) is Literal:
+            kw.update(choices=get_args(tp), metavar=None)
+            tp = type(get_args(tp)[0])
+        elif get_origin(tp) is list:
+            (tp,) = get_args(tp)
+            kw.update(action="append", help=kw["help"] + " (repeatable)")
+        if tp is not str:
+            kw["type"] = tp
+        if show_defaults and default is not None:
+            kw["help"] += f" (default {default})"
+        parser.add_argument(flag, **kw)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, fields: Sequence[str]) -> T:
+    """Config dataclass `cls` from the flags `add_config_arguments` added for `fields`; a flag not given
+    (None) leaves the field's default."""
+    return cls(**{name: getattr(args, name) for name in fields if getattr(args, name) is not None})
 
 
 def _toml_value(value: Any) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import checkpoint as ckpt
+from tenx import rundir
 from tenx.data.manifest import read_manifest, split_documents_text
 from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
@@ -49,8 +50,8 @@ def quickstart(
 
     settings = [f'data.dir="{data_dir}"', *(overrides or [])] + ([f"train.steps={steps}"] if steps else [])
     cfg = load_run_config(resolve_config_path("quickstart"), settings)
-    existing = ckpt.list_checkpoints(run_dir / "checkpoints")
-    latest, _ = ckpt.latest_verified(run_dir / "checkpoints")
+    existing = ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS)
+    latest, _ = ckpt.latest_verified(run_dir / rundir.CHECKPOINTS)
     if latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= (cfg.train.steps or 0):
         print(f"[2/4] reusing finished run in {run_dir}")
     else:
@@ -67,7 +68,7 @@ def quickstart(
     documents = [text.encode("utf-8") for text in split_documents_text(data_dir, manifest, "heldout", tok)]
     xz_bpb = xz_bits_per_byte(b"".join(documents))
     xz_doc_bpb = xz_bits_per_byte_per_document(documents)
-    curve = plot_loss_curve(run_dir / "metrics.jsonl", out / "loss_curve.png", f"tenx quickstart ({source})")
+    curve = plot_loss_curve(run_dir / rundir.METRICS, out / rundir.LOSS_CURVE, f"tenx quickstart ({source})")
 
     summary = {
         "heldout_bits_per_byte": heldout["bits_per_byte"],
@@ -79,7 +80,7 @@ def quickstart(
         "beats_xz": heldout["bits_per_byte"] < xz_bpb,
         "wall_seconds": time.perf_counter() - t0,
         "run_dir": str(run_dir),
-        "metrics": str(run_dir / "metrics.jsonl"),
+        "metrics": str(run_dir / rundir.METRICS),
         "loss_curve": str(curve),
         "eval": report["path"],
         "data_dir": str(data_dir),

@@ -94,3 +94,45 @@ def test_docs_field_reference_is_current():
     assert cfglib.field_reference(RunConfig) in docs, (
         "docs/config.md is out of date: paste tenx.config.field_reference(RunConfig) into its Field reference"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.depth=0", r"model\.depth: must be >= 1, got 0"),
+        ("parallel.replicas.groups=0", r"parallel\.replicas\.groups: must be >= 1, got 0"),
+        ("parallel.replicas.manager_port=65536", r"manager_port: must be in \[0, 65536\), got 65536"),
+        ("optim.decay_fraction=0", r"optim\.decay_fraction: must be in \(0, 1\], got 0\.0"),
+        ("optim.lr=nan", r"optim\.lr: must be > 0, got nan"),
+        ("checkpoint.every=-1", r"checkpoint\.every: must be >= 0 or 'auto', got -1"),
+    ],
+)
+def test_field_bounds_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(None, ["train.steps=1", override])
+
+
+def test_bounds_checked_on_trees_built_in_python():
+    cfg = load_run_config(None, ["train.steps=1", "checkpoint.every='auto'"])  # 'auto' is not bounded
+    assert cfg.model.d_model is None  # an unset optional field is not bounded either
+    cfg.parallel.replicas.bucket_mb = 0.0
+    with pytest.raises(ConfigError, match=r"parallel\.replicas\.bucket_mb: must be > 0"):
+        cfglib.check_bounds(cfg)
+    with pytest.raises(ConfigError, match=r"parallel\.replicas\.bucket_mb: must be > 0"):
+        cfglib.validate_tree(cfg)
+
+
+def test_config_flags_round_trip():
+    import argparse
+
+    from tenx.scaling.planner import LadderConfig
+
+    parser = argparse.ArgumentParser()
+    fields = ("grid", "tokens_per_param", "unique_tokens", "seeds")
+    cfglib.add_config_arguments(parser, LadderConfig, fields)
+    args = parser.parse_args(["--grid", "ratio", "--tokens-per-param", "10"])
+    lc = cfglib.config_from_args(LadderConfig, args, fields)
+    assert (lc.grid, lc.tokens_per_param, lc.unique_tokens, lc.seeds) == ("ratio", 10.0, None, 1)
+    assert lc == LadderConfig(grid="ratio", tokens_per_param=10.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grid", "cube"])  # choices come from the Literal

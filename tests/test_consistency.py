@@ -21,7 +21,6 @@ import torch.multiprocessing as mp
 from tenx.errors import ConfigError, TenxError
 from tenx.monitor.events import EventLog, read_events
 from tenx.parallel.consistency import (
-    ConsistencyCheck,
     ConsistencyConfig,
     find_divergent,
     gather_digests,
@@ -30,8 +29,10 @@ from tenx.parallel.consistency import (
     parameter_digest,
     tensor_digest,
 )
+from tenx.train.callbacks.consistency import ConsistencyCheck
+from tenx.train.callbacks.faults import FaultInjector, parse_fault
 from tenx.train.config import CONFIG_DIR
-from tenx.train.faults import FaultInjector, parse_fault
+from tenx.train.hooks import Callback
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -168,21 +169,24 @@ def _fake_trainer(run_dir: Path, model: torch.nn.Module, **fields: Any) -> tuple
 def _drive(
     trainer: Any, callbacks: list[Any], steps: int, data: torch.Tensor, skip: frozenset[int] = frozenset()
 ) -> None:
-    """The Trainer's loop reduced to its hook points; the optimizer step is left out at `skip` steps."""
+    """The Trainer's loop reduced to its hook events; the optimizer step is left out at `skip` steps
+    (the guard's verdict, in the step's metrics as the Trainer reports it)."""
+    trainer.callbacks = callbacks
     for cb in callbacks:
         cb.on_train_start(trainer)
     for _ in range(steps):
         for cb in callbacks:
             cb.on_step_start(trainer)
         trainer.model(data).square().mean().backward()
-        for hook in trainer.after_reduce:
-            hook(trainer)
-        if trainer.step + 1 not in skip:
+        for cb in callbacks:
+            cb.pre_optim_step(trainer)
+        skipped = trainer.step + 1 in skip
+        if not skipped:
             trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.step += 1
         for cb in callbacks:
-            cb.on_step_end(trainer, {})
+            cb.on_step_end(trainer, {"skipped": "spike"} if skipped else {})
     for cb in callbacks:
         cb.on_train_end(trainer)
 
@@ -194,14 +198,15 @@ def test_self_check_names_a_flip_within_one_step_and_ignores_state_loads(tmp_pat
     # an FSDP rank: no comparison within the job (its peers hold other shards), the self-check alone
     trainer, _ = _fake_trainer(tmp_path, model, world_size=world_size, strategy="fsdp")
 
-    class Reload:  # a resume or rollback: parameters replaced, trainer.state_generation bumped
+    class Reload:  # a resume or rollback: parameters replaced, post_state_loaded sent to every callback
         name = "reload"
 
         def on_step_start(self, trainer: Any) -> None:
             if trainer.step + 1 == 3:
                 with torch.no_grad():
                     model.weight.mul_(0.5)
-                trainer.state_generation += 1
+                for cb in trainer.callbacks:
+                    cb.post_state_loaded(trainer, "rollback")
 
         def __getattr__(self, name: str) -> Any:
             return lambda *args: None
@@ -281,6 +286,16 @@ def _flip_gradient_on_rank_1_at_step_5(trainer: Any) -> None:
         _flip(trainer.raw_model[0].weight.grad, 0, 12)
 
 
+class _PreOptimStep(Callback):
+    """Runs `fn(trainer)` at the pre_optim_step event (gradients reduced, before the optimizer step)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def pre_optim_step(self, trainer: Any) -> None:
+        self.fn(trainer)
+
+
 def _ddp_worker(rank: int, port: int, root: str) -> None:
     """Four scenarios, each a fresh DDP model trained 12 steps with checks every 5."""
     torch.set_num_threads(1)
@@ -301,10 +316,10 @@ def _ddp_worker(rank: int, port: int, root: str) -> None:
             run_dir = Path(root) / name
             trainer, _ = _fake_trainer(run_dir, ddp, rank=rank, world_size=2, strategy="ddp", raw_model=model)
             trainer.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            if name == "gradients":
-                trainer.after_reduce.append(_flip_gradient_on_rank_1_at_step_5)
+            flip = [_PreOptimStep(_flip_gradient_on_rank_1_at_step_5)] if name == "gradients" else []
             callbacks = [
                 FaultInjector([parse_fault(f) for f in faults]),
+                *flip,
                 ConsistencyCheck(ConsistencyConfig(every=5, **cfg)),
             ]
             data = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))

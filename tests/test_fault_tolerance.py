@@ -21,7 +21,7 @@ from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput
 from tenx.monitor.metrics import read_metrics
 from tenx.plan.failures import expected_goodput, young_daly_interval_s
-from tenx.train.faults import parse_fault
+from tenx.train.callbacks.faults import parse_fault
 from tenx.train.run import train
 
 # Child processes of the supervised tests: one thread each, so two never fight over the 2 cores.

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tenx.cli import add_fit_parser
 from tenx.errors import ConfigError, DataError, TenxError
 from tenx.scaling.fit import (
-    add_fit_parser,
     compute_for_loss,
     compute_optimal,
     effective_data,

@@ -21,7 +21,7 @@ from tenx.scaling.ladder import (
     run_ladder,
     run_one,
 )
-from tenx.train.faults import FaultConfig, InjectedFault
+from tenx.train.callbacks.faults import FaultConfig, InjectedFault
 
 
 def _base(tiny_config, tiny_data, *overrides):

@@ -23,10 +23,11 @@ import torch
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at info
 
+from tenx.cli import add_lighthouse_parser
 from tenx.errors import TenxError
 from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
-from tenx.parallel.lighthouse import add_lighthouse_parser, parse_bind, start_lighthouse
+from tenx.parallel.lighthouse import parse_bind, start_lighthouse
 from tenx.parallel.replicas import ReplicaConfig, Replicas, _fragments
 
 # A slightly wider tiny model, so that a step (~20-40 ms on one thread) dwarfs the per-step overheads.

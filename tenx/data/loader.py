@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.data.manifest import np_dtype, read_manifest, verify_shard
 from tenx.errors import ConfigError, DataError
 
@@ -39,7 +39,7 @@ class DataConfig:
     train_split: str = field("train", help="split to train on")
     val_split: str = field("val", help="split for periodic validation loss")
     max_unique_tokens: int | None = field(
-        None, help="use only the first N tokens of the training split (data-constrained experiments)"
+        None, ge=2, help="use only the first N tokens of the training split (data-constrained experiments)"
     )
     verify: bool = field(True, help="verify each shard's checksums against the manifest when first read")
     on_corrupt_shard: Literal["error", "skip"] = field(
@@ -50,10 +50,9 @@ class DataConfig:
 
     def validate(self) -> None:
         """Check field values (the directory itself is checked when the run opens it)."""
+        check_bounds(self, "data")
         if not self.dir:
             raise ConfigError("data.dir: must name a prepared data directory")
-        if self.max_unique_tokens is not None and self.max_unique_tokens < 2:
-            raise ConfigError(f"data.max_unique_tokens: must be >= 2, got {self.max_unique_tokens}")
 
 
 class TokenStream:

@@ -8,12 +8,13 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from tenx.config import field
 from tenx.data.manifest import (
     FORMAT,
     INDEX_DTYPE,
@@ -41,32 +42,33 @@ _SHARD_NAME = re.compile(r"^(train|val|heldout)_\d{5}\.(bin|idx)$")
 class PrepareConfig:
     """Options of `tenx data prepare`."""
 
-    source: str
-    """Where documents come from: a directory, a .txt/.jsonl/.parquet file, hf:NAME[:SPLIT], or stdlib."""
-    out: str
-    """Output data directory (created if needed); holds manifest.json, shards and tokenizer.json."""
-    tokenizer: str = "bpe"
-    """"bpe" (byte-level BPE trained on the train split) or "bytes" (raw UTF-8 bytes, vocabulary 257)."""
-    vocab_size: int = 8192
-    """Requested BPE vocabulary size including the end-of-document token (ignored for bytes)."""
-    val_ratio: float = 0.02
-    """Expected fraction of documents assigned to the validation split."""
-    heldout_ratio: float = 0.05
-    """Expected fraction of documents assigned to the held-out split (never seen by training or tokenizer)."""
-    seed: int = 0
-    """Salt of the per-document split hash; changing it reshuffles which documents land in which split."""
-    patterns: list[str] | None = None
-    """Glob patterns for directory/stdlib sources; None means the source's defaults."""
-    text_field: str = "text"
-    """Key of the text in each JSON line of a .jsonl source."""
-    id_field: str | None = None
-    """Key of a stable document id in each JSON line; None uses "file:line"."""
-    column: str = "text"
-    """Text column of a .parquet or hf: source."""
-    shard_tokens: int = 1 << 26
-    """Shards are cut at the document boundary before they would exceed this many tokens."""
-    max_documents: int | None = None
-    """Stop reading the source after this many documents (for quick experiments and tests)."""
+    source: str = field(help="DIR | FILE.txt | FILE.jsonl | FILE.parquet | hf:NAME[:SPLIT] | stdlib")
+    out: str = field(help="output data directory (created if needed): manifest.json, shards, tokenizer.json")
+    tokenizer: Literal["bpe", "bytes"] = field(
+        "bpe",
+        help="'bpe': byte-level BPE trained on the train split; 'bytes': raw UTF-8 bytes, vocabulary 257",
+    )
+    vocab_size: int = field(
+        8192, help="BPE vocabulary size including the end-of-document token (ignored for bytes)"
+    )
+    val_ratio: float = field(0.02, help="expected fraction of documents in the validation split")
+    heldout_ratio: float = field(
+        0.05,
+        help="expected fraction of documents in the held-out split (never seen by training or tokenizer)",
+    )
+    seed: int = field(
+        0, help="salt of the document-hash split; changing it reshuffles which documents land in which split"
+    )
+    patterns: list[str] | None = field(
+        None, help="glob for directory and stdlib sources, e.g. '**/*.py'; default: the source's own"
+    )
+    text_field: str = field("text", help="JSONL field holding the text")
+    id_field: str | None = field(None, help="JSONL field holding a stable document id (default: FILE:LINE)")
+    column: str = field("text", help="parquet / hf column holding the text")
+    shard_tokens: int = field(
+        1 << 26, help="maximum tokens per shard file (shards are cut at a document boundary)"
+    )
+    max_documents: int | None = field(None, help="stop reading the source after this many documents")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and what it accepts."""

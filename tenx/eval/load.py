@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
+from tenx import rundir
 from tenx.errors import CheckpointError, ConfigError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params
@@ -40,11 +41,11 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
     """(checkpoint dir, run dir or None) for a run directory (newest verified checkpoint) or a checkpoint."""
     target = Path(target)
     if (target / ckpt.MANIFEST).exists() or ckpt._STEP_DIR.match(target.name):
-        run_dir = target.parent.parent if target.parent.name == "checkpoints" else None
+        run_dir = target.parent.parent if target.parent.name == rundir.CHECKPOINTS else None
         return target, run_dir
     if not target.exists():
         raise CheckpointError(f"{target} does not exist; give a run directory or a checkpoint directory")
-    path, skipped = ckpt.latest_verified(target / "checkpoints")
+    path, skipped = ckpt.latest_verified(target / rundir.CHECKPOINTS)
     if path is None:
         detail = f" ({'; '.join(skipped)})" if skipped else ""
         raise CheckpointError(f"run directory {target} has no checkpoint that verifies{detail}")
@@ -90,7 +91,7 @@ _EVAL_FIELDS = ("model", "tokens")
 def _model_config(path: Path, recorded: dict[str, Any]) -> ModelConfig:
     """The manifest's model config, complete (every derived field filled in) and valid."""
     try:
-        cfg = cfglib.from_dict(ModelConfig, recorded)
+        cfg = cfglib.from_dict(ModelConfig, recorded, "model")
         cfg.validate()
         if cfg.resolved(cfg.vocab_size) != cfg:
             raise ConfigError(

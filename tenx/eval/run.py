@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tenx import rundir
 from tenx.data.manifest import read_manifest
 from tenx.data.prepare import CleaningStats, clean_text
 from tenx.data.sources import iter_documents
@@ -76,7 +77,7 @@ def evaluate(
         "datasets": results,
         "overall": combine(results),
     }
-    out_path = Path(out) if out else (loaded.run_dir or loaded.checkpoint) / "eval.json"
+    out_path = Path(out) if out else (loaded.run_dir or loaded.checkpoint) / rundir.EVAL
     atomic_write_json(out_path, report)
     report["path"] = str(out_path)
     return report

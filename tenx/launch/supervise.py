@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tenx import rundir
 from tenx.monitor.events import EventLog
 from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.train.watchdog import EXIT_HANG
@@ -252,7 +253,7 @@ def _wait(
     """Wait for the child; kill it when the ledger (written every step) goes stale for too long."""
     if heartbeat_timeout_s <= 0:
         return child.wait()
-    ledger = run_dir / "ledger.jsonl"
+    ledger = run_dir / rundir.LEDGER
     last_seen = time.monotonic()
     last_mtime = ledger.stat().st_mtime if ledger.exists() else 0.0
     while True:

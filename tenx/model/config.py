@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.errors import ConfigError
 
 FAMILIES: dict[str, dict[str, object]] = {
@@ -37,44 +37,37 @@ class ModelConfig:
     """A decoder-only transformer. Unset (None) fields take the family's or the derived value."""
 
     family: Literal["gpt2", "llama"] = field("gpt2", help="named family supplying component defaults")
-    depth: int = field(4, help="number of transformer blocks; also sets the width")
-    aspect_ratio: int = field(64, help="d_model = depth * aspect_ratio, rounded up to a multiple of 64")
-    d_model: int | None = field(None, help="residual width (overrides the depth-derived width)")
+    depth: int = field(4, ge=1, help="number of transformer blocks; also sets the width")
+    aspect_ratio: int = field(64, ge=1, help="d_model = depth * aspect_ratio, rounded up to a multiple of 64")
+    d_model: int | None = field(None, ge=1, help="residual width (overrides the depth-derived width)")
     head_dim: int = field(64, help="width of one attention head")
-    n_heads: int | None = field(None, help="query heads; default d_model // head_dim")
-    n_kv_heads: int | None = field(None, help="key/value heads for grouped-query attention; default n_heads")
-    d_ff: int | None = field(
-        None, help="MLP hidden width; default 4*d (gelu) or 8/3*d rounded up to 64 (swiglu)"
+    n_heads: int | None = field(None, ge=1, help="query heads; default d_model // head_dim")
+    n_kv_heads: int | None = field(
+        None, ge=1, help="key/value heads for grouped-query attention; default n_heads"
     )
-    vocab_size: int | None = field(None, help="vocabulary size; default: the data's tokenizer, padded to 64")
-    seq_len: int = field(256, help="context length in tokens")
+    d_ff: int | None = field(
+        None, ge=1, help="MLP hidden width; default 4*d (gelu) or 8/3*d rounded up to 64 (swiglu)"
+    )
+    vocab_size: int | None = field(
+        None, ge=1, help="vocabulary size; default: the data's tokenizer, padded to 64"
+    )
+    seq_len: int = field(256, ge=2, help="context length in tokens")
     norm: Literal["layernorm", "rmsnorm"] | None = field(None, help="normalisation layer")
     pos: Literal["learned", "rope"] | None = field(None, help="position encoding")
     mlp: Literal["gelu", "swiglu"] | None = field(None, help="MLP type")
     bias: bool | None = field(None, help="biases in linear layers and norms")
     qk_norm: bool = field(False, help="normalise queries and keys per head before attention")
     tie_embeddings: bool | None = field(None, help="share the input embedding with the output projection")
-    z_loss: float = field(0.0, help="coefficient of the z-loss (logsumexp(logits)^2) added to the loss")
+    z_loss: float = field(0.0, ge=0, help="coefficient of the z-loss (logsumexp(logits)^2) added to the loss")
     rope_theta: float = field(10000.0, help="RoPE base frequency")
     norm_eps: float = field(1e-5, help="epsilon of the normalisation layers")
     init_std: float = field(0.02, help="standard deviation of weight initialisation")
 
     def validate(self) -> None:
-        """Check ranges and divisibility; names the offending field."""
-        if self.depth < 1:
-            raise ConfigError(f"model.depth: must be >= 1, got {self.depth}")
-        if self.aspect_ratio < 1:
-            raise ConfigError(f"model.aspect_ratio: must be >= 1, got {self.aspect_ratio}")
-        if self.seq_len < 2:
-            raise ConfigError(f"model.seq_len: must be >= 2, got {self.seq_len}")
+        """Check bounds and divisibility; names the offending field."""
+        check_bounds(self, "model")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ConfigError(f"model.head_dim: must be an even number >= 2, got {self.head_dim}")
-        for name in ("d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"model.{name}: must be >= 1, got {value}")
-        if self.z_loss < 0:
-            raise ConfigError(f"model.z_loss: must be >= 0, got {self.z_loss}")
         r = self.resolved(self.vocab_size or 256)
         assert r.d_model is not None and r.n_heads is not None and r.n_kv_heads is not None
         if r.d_model % r.n_heads:

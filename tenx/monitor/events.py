@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tenx import rundir
 from tenx.utils.io import fsync_dir
 
-EVENTS_FILE = "events.jsonl"
+EVENTS_FILE = rundir.EVENTS
 
 
 def _plain(value: Any) -> Any:

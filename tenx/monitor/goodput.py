@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.events import ends_mid_line, json_line, read_events, read_jsonl
 
-LEDGER_FILE = "ledger.jsonl"
+LEDGER_FILE = rundir.LEDGER
 _STEP_FIELD = {"step": "step", "rollback": "to_step"}  # records that are meaningless without this integer
 _IMPORTED_AT = time.time()
 
@@ -395,13 +396,13 @@ def format_status(run_dir: str | Path) -> str:
 
     report = compute_goodput(run_dir)
     metrics: list[dict[str, Any]] = []
-    if (run_dir / "metrics.jsonl").is_file():
+    if (run_dir / rundir.METRICS).is_file():
         from tenx.monitor.metrics import read_metrics
 
-        metrics = read_metrics(run_dir / "metrics.jsonl")
+        metrics = read_metrics(run_dir / rundir.METRICS)
     total = None
     try:
-        total = json.loads((run_dir / "run.json").read_text()).get("total_steps")
+        total = json.loads((run_dir / rundir.PROVENANCE).read_text()).get("total_steps")
     except (OSError, ValueError, AttributeError):
         pass
 
@@ -422,8 +423,8 @@ def format_status(run_dir: str | Path) -> str:
             progress += ", finished"
     lines.append(f"progress    {progress}")
 
-    checkpoints = list_checkpoints(run_dir / "checkpoints")
-    latest, skipped = latest_verified(run_dir / "checkpoints")
+    checkpoints = list_checkpoints(run_dir / rundir.CHECKPOINTS)
+    latest, skipped = latest_verified(run_dir / rundir.CHECKPOINTS)
     if latest is not None:
         lines.append(f"checkpoint  {latest.name} verifies ({len(checkpoints)} on disk)")
     else:

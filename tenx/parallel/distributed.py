@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, TenxError
 from tenx.parallel.consistency import ConsistencyConfig
 from tenx.parallel.replicas import ReplicaConfig
@@ -56,7 +56,9 @@ class ParallelConfig:
         False, help="recompute each block's activations in backward instead of keeping them (saves memory)"
     )
     timeout_s: float = field(
-        600.0, help="collective timeout: a rank waiting this long for its peers fails instead of hanging"
+        600.0,
+        gt=0,
+        help="collective timeout: a rank waiting this long for its peers fails instead of hanging",
     )
     consistency: ConsistencyConfig = field(
         default_factory=ConsistencyConfig, help="replica consistency checks (silent data corruption)"
@@ -66,9 +68,8 @@ class ParallelConfig:
     )
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if self.timeout_s <= 0:
-            raise ConfigError(f"parallel.timeout_s: must be > 0, got {self.timeout_s}")
+        """Check bounds; names the offending field."""
+        check_bounds(self, "parallel")
 
 
 @dataclass(frozen=True)

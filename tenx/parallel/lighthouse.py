@@ -8,11 +8,13 @@ one quorum round, not their progress.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+from tenx.config import check_bounds, field
 from tenx.errors import TenxError
 
 
@@ -29,32 +31,40 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def start_lighthouse(
-    bind: str,
-    min_groups: int = 1,
-    join_timeout_ms: int = 60_000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5_000,
-) -> tuple[Any, str]:
-    """Start a lighthouse in this process; returns (server, address to give the groups)."""
+@dataclass
+class LighthouseConfig:
+    """How the lighthouse forms quorums (the options of `tenx lighthouse`)."""
+
+    min_groups: int = field(1, ge=1, help="fewest groups that form a quorum")
+    join_timeout_ms: int = field(
+        60_000, ge=1, help="how long a quorum waits for known groups that have not asked yet"
+    )
+    quorum_tick_ms: int = field(100, ge=1, help="how often the quorum is re-evaluated")
+    heartbeat_timeout_ms: int = field(
+        5_000,
+        ge=1,
+        help="a group silent this long is dead and left out of quorums; also roughly how long survivors "
+        "stall when a peer dies",
+    )
+
+
+def start_lighthouse(bind: str, **options: int) -> tuple[Any, str]:
+    """Start a lighthouse in this process; returns (server, address to give the groups).
+
+    `options` are LighthouseConfig's fields (min_groups=2, ...); the others keep their defaults.
+    """
     from torchft._torchft import LighthouseServer
 
     host, _ = parse_bind(bind)
-    for name, value in (
-        ("--min-groups", min_groups),
-        ("--join-timeout-ms", join_timeout_ms),
-        ("--quorum-tick-ms", quorum_tick_ms),
-        ("--heartbeat-timeout-ms", heartbeat_timeout_ms),
-    ):
-        if value < 1:
-            raise TenxError(f"lighthouse {name}: must be >= 1, got {value}")
+    cfg = LighthouseConfig(**options)
+    check_bounds(cfg, "lighthouse")
     try:
         server = LighthouseServer(
             bind=bind,
-            min_replicas=min_groups,
-            join_timeout_ms=join_timeout_ms,
-            quorum_tick_ms=quorum_tick_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
+            min_replicas=cfg.min_groups,
+            join_timeout_ms=cfg.join_timeout_ms,
+            quorum_tick_ms=cfg.quorum_tick_ms,
+            heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
         )
     except Exception as e:  # noqa: BLE001 - the Rust server reports bind failures as plain exceptions
         raise TenxError(f"lighthouse --bind {bind!r}: cannot listen there: {e}") from e
@@ -64,17 +74,11 @@ def start_lighthouse(
     return server, advertised
 
 
-def run_lighthouse(
-    bind: str,
-    min_groups: int = 1,
-    join_timeout_ms: int = 60_000,
-    quorum_tick_ms: int = 100,
-    heartbeat_timeout_ms: int = 5_000,
-) -> None:
-    """Run a lighthouse until SIGINT or SIGTERM, printing the address groups connect to."""
-    server, address = start_lighthouse(
-        bind, min_groups, join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms
-    )
+def run_lighthouse(bind: str, **options: int) -> None:
+    """Run a lighthouse until SIGINT or SIGTERM, printing the address groups connect to (`options`: as
+    start_lighthouse's)."""
+    server, address = start_lighthouse(bind, **options)
+    cfg = LighthouseConfig(**options)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -90,11 +94,7 @@ def run_lighthouse(
             f"  --set parallel.replicas.lighthouse={address}   (or env TORCHFT_LIGHTHOUSE={address})",
             flush=True,
         )
-        print(
-            f"  min_groups={min_groups} join_timeout_ms={join_timeout_ms} quorum_tick_ms={quorum_tick_ms} "
-            f"heartbeat_timeout_ms={heartbeat_timeout_ms}",
-            flush=True,
-        )
+        print("  " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()), flush=True)
         while not stop.wait(0.5):
             pass
     finally:
@@ -102,47 +102,3 @@ def run_lighthouse(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         print("tenx lighthouse: stopped", flush=True)
-
-
-def cmd_lighthouse(args: argparse.Namespace) -> None:
-    """The `tenx lighthouse` command."""
-    run_lighthouse(
-        args.bind,
-        min_groups=args.min_groups,
-        join_timeout_ms=args.join_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
-
-
-def add_lighthouse_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx lighthouse` on the CLI's subparsers."""
-    lp = subparsers.add_parser(
-        "lighthouse", help="run torchft's lighthouse: the rendezvous of replica groups (parallel.replicas)"
-    )
-    lp.add_argument(
-        "--bind",
-        required=True,
-        metavar="ADDR:PORT",
-        help="where to listen: 127.0.0.1:PORT for one machine, ADDR:PORT with this machine's address on "
-        "the network the groups share otherwise (0.0.0.0:PORT listens on every interface; docs/security.md)",
-    )
-    lp.add_argument("--min-groups", type=int, default=1, help="fewest groups that form a quorum (default 1)")
-    lp.add_argument(
-        "--join-timeout-ms",
-        type=int,
-        default=60_000,
-        help="how long a quorum waits for known groups that have not asked yet (default 60000)",
-    )
-    lp.add_argument(
-        "--quorum-tick-ms", type=int, default=100, help="how often the quorum is re-evaluated (default 100)"
-    )
-    lp.add_argument(
-        "--heartbeat-timeout-ms",
-        type=int,
-        default=5_000,
-        help="a group silent this long is dead and left out of quorums; also roughly how long survivors "
-        "stall when a peer dies (default 5000)",
-    )
-    lp.set_defaults(func=cmd_lighthouse)
-    return lp

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from tenx.errors import TenxError
+from tenx.utils.tensors import local_tensor
 
 FORMAT = "tenx-peer/1"
 MAGIC = b"TENXPEER1\n"
@@ -65,7 +66,7 @@ def _encode(node: Any, tensors: dict[str, torch.Tensor], seen: dict[int, str], p
         return node
     if isinstance(node, torch.Tensor):
         kind = "dtensor" if hasattr(node, "to_local") else "tensor"
-        local = node.to_local() if kind == "dtensor" else node
+        local = local_tensor(node)
         name = seen.get(id(node))
         if name is None:
             name = seen[id(node)] = f"t{len(tensors)}"
@@ -206,7 +207,7 @@ def _match(received: Any, template: Any, path: str, problems: list[str]) -> Any:
 
 def _tensor_bytes(tree: Any) -> int:
     if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        local = local_tensor(tree)
         return local.numel() * local.element_size()
     if isinstance(tree, dict):
         return sum(_tensor_bytes(v) for v in tree.values())

@@ -25,12 +25,9 @@ least one other group is in the quorum (see docs/multi-cluster.md for the wire f
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
-import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +36,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, TenxError
-from tenx.parallel.peer_transport import PeerStateError, TensorTransport, read_secret, url_host
+from tenx.parallel.peer_transport import TensorTransport, read_secret, url_host
+from tenx.parallel.torchft_glue import (
+    _fragments,
+    _gloo_on_host,
+    _manager_server_on,
+    _RefusalWithoutTraceback,
+    store_on_host,
+)
+from tenx.utils.tensors import local_tensor
 
 GROUP_ENV = "TENX_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -57,30 +62,33 @@ class ReplicaConfig:
         "inner AdamW steps, an outer Nesterov step on averaged pseudo-gradients every sync_every steps; "
         "'streaming-diloco': DiLoCo with the model in fragments synced at staggered steps",
     )
-    groups: int = field(1, help="replica groups the data is split across (each reads its own share)")
+    groups: int = field(1, ge=1, help="replica groups the data is split across (each reads its own share)")
     group_id: int = field(0, help="this group's index in [0, groups); env TENX_REPLICA_GROUP overrides it")
     lighthouse: str = field(
         "", help="lighthouse address http://HOST:PORT (`tenx lighthouse`); env TORCHFT_LIGHTHOUSE if empty"
     )
     min_groups: int = field(1, help="fewest groups that may take a step (the others heal and rejoin)")
-    sync_every: int = field(50, help="diloco: inner steps between outer steps (H)")
+    sync_every: int = field(50, ge=1, help="diloco: inner steps between outer steps (H)")
     outer_lr: float = field(0.7, help="diloco: outer SGD learning rate")
     outer_momentum: float = field(0.9, help="diloco: outer Nesterov momentum")
     fragments: int = field(2, help="streaming-diloco: model fragments synced at staggered steps")
     fragment_sync_delay: int = field(
         0, help="streaming-diloco: inner steps a fragment's all-reduce may overlap before it is applied"
     )
-    timeout_s: float = field(60.0, help="collectives and quorum timeout (a dead peer is dropped after it)")
+    timeout_s: float = field(
+        60.0, gt=0, help="collectives and quorum timeout (a dead peer is dropped after it)"
+    )
     quorum_timeout_s: float = field(
         1800.0,
+        gt=0,
         help="longest wait for a quorum; a DiLoCo group that (re)joins waits for its peers' next outer "
         "step, so this must exceed sync_every inner steps",
     )
     bucket_mb: float = field(
-        25.0, help="sync: gradients are all-reduced across groups in flat buckets this big"
+        25.0, gt=0, help="sync: gradients are all-reduced across groups in flat buckets this big"
     )
     manager_port: int = field(
-        0, help="port of the torchft manager server of this group's rank 0 (0: any free port)"
+        0, ge=0, lt=65536, help="port of the torchft manager server of this group's rank 0 (0: any free port)"
     )
     host: str = field(
         "127.0.0.1",
@@ -90,9 +98,8 @@ class ReplicaConfig:
     )
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if self.groups < 1:
-            raise ConfigError(f"parallel.replicas.groups: must be >= 1, got {self.groups}")
+        """Check bounds, the group id and sizes against `groups`, fragments and the host; names the field."""
+        check_bounds(self, "parallel.replicas")
         if not 0 <= self.group_id < self.groups:
             raise ConfigError(
                 f"parallel.replicas.group_id: must be in [0, {self.groups}), got {self.group_id}"
@@ -101,8 +108,6 @@ class ReplicaConfig:
             raise ConfigError(
                 f"parallel.replicas.min_groups: must be in [1, groups={self.groups}], got {self.min_groups}"
             )
-        if self.sync_every < 1:
-            raise ConfigError(f"parallel.replicas.sync_every: must be >= 1, got {self.sync_every}")
         if self.mode == "streaming-diloco":
             if self.fragments < 1 or self.sync_every % self.fragments:
                 raise ConfigError(
@@ -114,16 +119,6 @@ class ReplicaConfig:
                     "parallel.replicas.fragment_sync_delay: must be < sync_every / fragments, got "
                     f"{self.fragment_sync_delay}"
                 )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"parallel.replicas.timeout_s: must be > 0, got {self.timeout_s}")
-        if self.quorum_timeout_s <= 0:
-            raise ConfigError(f"parallel.replicas.quorum_timeout_s: must be > 0, got {self.quorum_timeout_s}")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"parallel.replicas.bucket_mb: must be > 0, got {self.bucket_mb}")
-        if not 0 <= self.manager_port < 65536:
-            raise ConfigError(
-                f"parallel.replicas.manager_port: must be in [0, 65536), got {self.manager_port}"
-            )
         if not self.host or self.host.strip("[]") in ("0.0.0.0", "::", "*"):
             raise ConfigError(
                 f"parallel.replicas.host: {self.host!r} is not one address: name the interface the groups "
@@ -158,83 +153,22 @@ def resolve_lighthouse(cfg: ReplicaConfig) -> str:
     return address
 
 
-_PATCH_LOCK = threading.Lock()
+class LocalStep:
+    """The cross-group part of a step without replica groups: nothing to agree on (see Replicas)."""
 
+    def begin_step(self) -> None:
+        """Nothing to wait for."""
 
-@contextlib.contextmanager
-def _manager_server_on(host: str) -> Any:
-    """While a torchft Manager is built: its server listens on `host`, not on every interface.
+    def reduce(self, model: nn.Module, loss_sum: torch.Tensor) -> None:
+        """Nothing to average."""
 
-    torchft 0.2 hard-codes the bind address `[::]:PORT` inside `Manager.__init__`; the server class is
-    looked up in `torchft.manager` at that moment, so it is swapped for one that rewrites the address.
-    """
-    import torchft.manager as tm
-
-    original = tm.ManagerServer
-
-    def on_host(*args: Any, bind: str, **kwargs: Any) -> Any:
-        port = bind.rpartition(":")[2]
-        return original(*args, bind=f"{url_host(host)}:{port}", **kwargs)
-
-    with _PATCH_LOCK:
-        tm.ManagerServer = on_host  # type: ignore[assignment,misc]
-        try:
-            yield
-        finally:
-            tm.ManagerServer = original  # type: ignore[misc]
-
-
-def _gloo_on_host(pg: Any, store: Any, rank: int, world_size: int, host: str) -> Any:
-    """torchft's ProcessGroupGloo._create_pg with one change: gloo's device listens on `host`."""
-    from torch.distributed import ProcessGroup
-    from torch.distributed import ProcessGroupGloo as BaseGloo
-
-    opts = BaseGloo._Options()
-    opts._timeout = pg._timeout
-    opts._devices = [BaseGloo.create_device(hostname=host.strip("[]"))]
-    base = ProcessGroup(store, rank, world_size)
-    base._set_default_backend(ProcessGroup.BackendType.GLOO)
-    backend = BaseGloo(store, rank, world_size, opts)
-    backend._set_sequence_number_for_group()
-    if pg._global_ranks:
-        backend.options.global_ranks_in_group = pg._global_ranks
-    if pg._group_rank and pg._group_world_size:
-        backend.options.group_name = (
-            f"torchft_quorum_{pg._quorum_id}_rank_{pg._group_rank % pg._group_world_size}"
-        )
-    base._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    return base
-
-
-class _RefusalWithoutTraceback(logging.Filter):
-    """torchft logs a refused peer state with a traceback; tenx reports it as one clear line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], PeerStateError):
-            record.exc_info = None
-            record.exc_text = None
+    def commit(self) -> bool:
+        """Always: no peer can fail the step."""
         return True
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (an FSDP2 DTensor's local shard, else the tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _fragments(model: nn.Module, count: int) -> list[nn.Module]:
-    """The model's parameters cut into `count` contiguous fragments of about equal size (shared objects)."""
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    pieces: list[list[nn.Parameter]] = [[] for _ in range(count)]
-    seen = 0
-    for p in params:
-        pieces[min(count - 1, seen * count // max(total, 1))].append(p)
-        seen += p.numel()
-    if any(not piece for piece in pieces):
-        raise ConfigError(
-            f"parallel.replicas.fragments={count}: the model has too few parameter tensors ({len(params)})"
-        )
-    return [nn.ParameterList(piece) for piece in pieces]
+    def end_step(self) -> dict[str, float]:
+        """No metrics."""
+        return {}
 
 
 class Replicas:
@@ -375,41 +309,13 @@ class Replicas:
         self._phase = "step"
 
     def _group_store(self) -> tuple[str, int]:
-        """The TCPStore of this group: torchrun's, or one this process starts on `host`.
-
-        Peers reach it too (torchft rendezvouses the cross-group process group through it). TCPStore
-        binds every interface when it opens its own socket, so it is handed one already listening on
-        `host` (`master_listen_fd`).
-        """
+        """The TCPStore of this group (peers rendezvous through it too): torchrun's, or one on `host`."""
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ and "RANK" in os.environ:
             return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if self.world_size > 1:
             raise TenxError("replica groups of several processes must be started with torchrun")
         host = self.host.strip("[]")
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-            sock.listen(128)
-        except OSError as e:
-            sock.close()
-            raise TenxError(
-                f"parallel.replicas.host={self.host!r}: cannot listen there ({e}); give an address of "
-                "this machine (127.0.0.1 when every group runs here)"
-            ) from None
-        port = sock.getsockname()[1]
-        fd = sock.detach()  # the store owns the listening socket from here on and closes it
-        try:
-            self._store = torch.distributed.TCPStore(
-                host,
-                port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=60),
-                master_listen_fd=fd,
-            )
-        except Exception:
-            os.close(fd)
-            raise
+        self._store, port = store_on_host(host)
         return host, port
 
     def _announce_listening(self, store_addr: str, store_port: int) -> None:
@@ -559,7 +465,7 @@ class Replicas:
         for p in model.parameters():
             if p.grad is None:  # every group must reduce the same buckets: a missing gradient is zero
                 p.grad = torch.zeros_like(p)
-            grads.append(_local(p.grad))
+            grads.append(local_tensor(p.grad))
         cap = int(self.cfg.bucket_mb * 2**20)
         buckets: list[list[torch.Tensor]] = []
         size = 0
@@ -582,6 +488,17 @@ class Replicas:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         self._wait_s += time.perf_counter() - t0
+
+    def reduce(self, model: nn.Module, loss_sum: torch.Tensor) -> None:
+        """After the group's own reduction. sync: average gradients and the step's loss across the groups
+        (one loss for every group, so every guard decides alike); diloco: nothing."""
+        if self.mode == "sync":
+            self.reduce_gradients(model)
+            self.allreduce_mean_(loss_sum)
+
+    def commit(self) -> bool:
+        """Whether the optimizer may step (see should_commit)."""
+        return self.should_commit()
 
     def should_commit(self) -> bool:
         """Just before optimizer.step(): sync: did every group's reduction succeed; diloco: always."""

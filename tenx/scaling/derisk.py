@@ -72,23 +72,27 @@ class DeriskConfig:
     """A derisking study: base config, changes in stacking order, budgets (a TOML file or flags)."""
 
     base: str = field(
-        "ladder", help="base run config: a .toml path (relative to this file) or a shipped name"
+        "ladder",
+        help="base run config: a .toml path or a shipped name (in a derisk file, a path may be relative to it)",
     )
     set: list[str] = field(default_factory=list, help="overrides applied to the base config")
     budgets: list[float] = field(default_factory=lambda: [1e12, 4e12, 1.6e13], help="training FLOP budgets")
     change: list[ChangeConfig] = field(default_factory=list, help="the changes, in stacking order")
-    seeds: int = field(2, help="seeds at the smallest budget (noise estimate for the intervals)")
+    seeds: int = field(2, ge=1, help="seeds at the smallest budget (noise estimate for the intervals)")
     target: float | None = field(
         None, help="budget the multipliers are extrapolated to (default: 100x the largest budget)"
     )
-    tolerance: float = field(1.25, help="a trend steeper than this factor per decade is 'grows'/'fades'")
+    tolerance: float = field(
+        1.25, gt=1, help="a trend steeper than this factor per decade is 'grows'/'fades'"
+    )
     bootstrap: int = field(200, help="bootstrap resamples of each baseline fit")
     ladder: LadderConfig = field(
         default_factory=lambda: LadderConfig(grid="ratio"), help="how runs are shaped (grid is 'ratio')"
     )
 
     def validate(self) -> None:
-        """Check ranges and names; names the offending field."""
+        """Check bounds, budgets, changes and the grid; names the offending field."""
+        cfglib.check_bounds(self)
         if len(self.budgets) < 2:
             raise ConfigError("budgets: give at least 2 budgets (3 or more to see a trend)")
         for i, b in enumerate(self.budgets):
@@ -101,10 +105,6 @@ class DeriskConfig:
         names = [c.name for c in self.change]
         if len(set(names)) != len(names):
             raise ConfigError(f"change: names must be distinct, got {names}")
-        if self.seeds < 1:
-            raise ConfigError(f"seeds: must be >= 1, got {self.seeds}")
-        if self.tolerance <= 1:
-            raise ConfigError(f"tolerance: must be > 1 (a factor per decade), got {self.tolerance}")
         if self.ladder.grid != "ratio":
             raise ConfigError("ladder.grid: derisking trains one size per budget; use 'ratio'")
 

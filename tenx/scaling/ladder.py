@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tenx import config as cfglib
+from tenx import rundir
 from tenx.errors import TenxError
 from tenx.scaling.launch import emit_launch
 from tenx.scaling.planner import (
@@ -154,7 +155,7 @@ def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[s
             return {**row, "reused": True}
     run_dir = ladder_dir / "runs" / run.name
     text = cfglib.dumps_toml(run.config)
-    config_path = run_dir / "config.toml"
+    config_path = run_dir / rundir.CONFIG
     if config_path.exists() and config_path.read_text() != text:
         if config_key(load_run_config(config_path)) != key:
             raise TenxError(
@@ -162,18 +163,18 @@ def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[s
                 "changed); delete that directory or use another ladder directory"
             )
     t0 = time.perf_counter()
-    latest, _ = ckpt.latest_verified(run_dir / "checkpoints")
+    latest, _ = ckpt.latest_verified(run_dir / rundir.CHECKPOINTS)
     trained = latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= run.steps
     if not trained:
-        resume = "auto" if ckpt.list_checkpoints(run_dir / "checkpoints") else None
+        resume = "auto" if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS) else None
         if resume is None and run_dir.exists():
             shutil.rmtree(run_dir)  # a run that crashed before its first checkpoint starts over cleanly
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(config_path, text)
         train(run.config, run_dir, resume=resume)
     train_s = time.perf_counter() - t0
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png", run.name)
+    metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()]
+    plot_loss_curve(run_dir / rundir.METRICS, run_dir / rundir.LOSS_CURVE, run.name)
     t1 = time.perf_counter()
     ev = evaluate_run(run_dir, lc.eval_bytes)
     eval_s = time.perf_counter() - t1

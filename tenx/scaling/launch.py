@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from tenx import config as cfglib
+from tenx import rundir
 from tenx.errors import TenxError
 from tenx.scaling.planner import PlannedRun
 from tenx.utils.io import atomic_write_text
@@ -36,12 +37,12 @@ def emit_launch(
             )
         run_dir = ladder_dir / "runs" / run.name
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.toml", cfglib.dumps_toml(run.config))
+        atomic_write_text(run_dir / rundir.CONFIG, cfglib.dumps_toml(run.config))
         micro = min(run.config.train.micro_batch, run.global_batch // ranks)
         while (run.global_batch // ranks) % micro:
             micro -= 1
         train_args = (
-            f"-m tenx train --config {shlex.quote(str(run_dir / 'config.toml'))} "
+            f"-m tenx train --config {shlex.quote(str(run_dir / rundir.CONFIG))} "
             f"--run-dir {shlex.quote(str(run_dir))} --resume auto --set train.micro_batch={micro}"
         )
         runs.append((run, run_dir, train_args))

@@ -44,20 +44,25 @@ class LadderConfig:
     grid: Literal["isoflop", "ratio"] = field(
         "isoflop", help="'isoflop': several sizes per budget; 'ratio': one size per budget"
     )
-    tokens_per_param: float = field(20.0, help="the ratio D/N the grid centres on (Chinchilla: about 20)")
-    sizes: int = field(3, help="isoflop: model sizes (depths) per budget")
-    min_depth: int = field(1, help="smallest model.depth the planner may use")
-    max_depth: int = field(32, help="largest model.depth the planner may use")
-    unique_tokens: int | None = field(
-        None, help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data"
+    tokens_per_param: float = field(
+        20.0, gt=0, help="the ratio D/N the grid centres on (Chinchilla: about 20)"
     )
-    seeds: int = field(1, help="seeds of every run (train.seed, train.seed+1, ...)")
+    sizes: int = field(3, ge=1, help="isoflop: model sizes (depths) per budget")
+    min_depth: int = field(1, ge=1, help="smallest model.depth the planner may use")
+    max_depth: int = field(32, ge=1, help="largest model.depth the planner may use")
+    unique_tokens: int | None = field(
+        None, ge=2, help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data"
+    )
+    seeds: int = field(1, ge=1, help="seeds of every run (train.seed, train.seed+1, ...)")
     lr_width_exponent: float = field(0.5, help="peak lr = optim.lr * (d_ref / d_model) ** this")
-    min_steps: int = field(100, help="halve the batch until a run has at least this many steps")
+    min_steps: int = field(100, ge=1, help="halve the batch until a run has at least this many steps")
     warmup_tokens_per_param: float = field(1.0, help="warmup lasts this many tokens per parameter")
-    max_warmup_fraction: float = field(0.25, help="warmup is at most this fraction of a run's steps")
+    max_warmup_fraction: float = field(
+        0.25, gt=0, le=1, help="warmup is at most this fraction of a run's steps"
+    )
     eval_bytes: int = field(
         262144,
+        ge=0,
         help="bytes of whole documents (spread evenly over the split) scored per split for val and "
         "held-out loss and bits per byte; 0 scores the whole split",
     )
@@ -67,27 +72,15 @@ class LadderConfig:
     prepare_tokenizer: Literal["bytes", "bpe"] = field("bytes", help="tokenizer used when preparing")
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
+        """Check bounds, the budgets and the depth range; names the offending field."""
+        cfglib.check_bounds(self, "ladder")
         if not self.budgets:
             raise ConfigError("ladder.budgets: give at least one FLOP budget")
         for i, b in enumerate(self.budgets):
             if not (b > 0 and math.isfinite(b)):
                 raise ConfigError(f"ladder.budgets[{i}]: must be a positive number of FLOPs, got {b}")
-        if self.tokens_per_param <= 0:
-            raise ConfigError(f"ladder.tokens_per_param: must be > 0, got {self.tokens_per_param}")
-        for name in ("sizes", "min_depth", "max_depth", "seeds", "min_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ladder.{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_depth < self.min_depth:
             raise ConfigError(f"ladder.max_depth: {self.max_depth} is below min_depth {self.min_depth}")
-        if self.unique_tokens is not None and self.unique_tokens < 2:
-            raise ConfigError(f"ladder.unique_tokens: must be >= 2, got {self.unique_tokens}")
-        if not 0 < self.max_warmup_fraction <= 1:
-            raise ConfigError(
-                f"ladder.max_warmup_fraction: must be in (0, 1], got {self.max_warmup_fraction}"
-            )
-        if self.eval_bytes < 0:
-            raise ConfigError(f"ladder.eval_bytes: must be >= 0, got {self.eval_bytes}")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from tenx.data.loader import DataConfig
 from tenx.errors import ConfigError, TenxError
 from tenx.model.config import ModelConfig
 from tenx.parallel.distributed import ParallelConfig
-from tenx.train.faults import FaultConfig
+from tenx.train.callbacks.faults import FaultConfig
 from tenx.train.guard import GuardConfig
 from tenx.train.optim import OptimConfig
 from tenx.train.watchdog import WatchdogConfig
@@ -38,14 +38,17 @@ def resolve_config_path(name: str) -> Path:
 class TrainConfig:
     """The training loop: budget, batch, device, precision."""
 
-    steps: int | None = field(None, help="optimizer steps to train (or give `tokens`)")
-    tokens: int | None = field(None, help="token budget; steps = ceil(tokens / tokens per step)")
-    micro_batch: int = field(8, help="sequences per forward/backward on each rank")
+    steps: int | None = field(None, ge=1, help="optimizer steps to train (or give `tokens`)")
+    tokens: int | None = field(None, ge=1, help="token budget; steps = ceil(tokens / tokens per step)")
+    micro_batch: int = field(8, ge=1, help="sequences per forward/backward on each rank")
     grad_accum: int = field(
-        1, help="micro-batches accumulated per optimizer step (derived from global_batch when that is set)"
+        1,
+        ge=1,
+        help="micro-batches accumulated per optimizer step (derived from global_batch when that is set)",
     )
     global_batch: int | None = field(
         None,
+        ge=1,
         help="sequences per optimizer step over all ranks and replica groups; grad_accum becomes "
         "global_batch / (micro_batch * ranks * groups), so the loss curve does not depend on the process count",
     )
@@ -55,28 +58,20 @@ class TrainConfig:
         "auto", help="'auto': bf16 autocast on GPUs and on CPUs with native bf16 matmuls, else fp32"
     )
     compile: bool = field(False, help="torch.compile the model")
-    threads: int | None = field(None, help="CPU threads for torch (default: torch's choice)")
+    threads: int | None = field(None, ge=1, help="CPU threads for torch (default: torch's choice)")
     tune_allocator: bool = field(
         True, help="CPU on Linux/glibc: keep freed buffers in the heap (avoids a page fault storm every step)"
     )
-    eval_every: int = field(100, help="validation loss every N steps (0: only at the end)")
-    eval_batches: int = field(16, help="micro-batches of the validation split per evaluation")
+    eval_every: int = field(100, ge=0, help="validation loss every N steps (0: only at the end)")
+    eval_batches: int = field(16, ge=1, help="micro-batches of the validation split per evaluation")
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
+        """Check bounds and that exactly one budget is set; names the offending field."""
+        cfglib.check_bounds(self, "train")
         if self.steps is None and self.tokens is None:
             raise ConfigError("train.steps: set train.steps or train.tokens")
         if self.steps is not None and self.tokens is not None:
             raise ConfigError("train.steps: set only one of train.steps and train.tokens")
-        for name in ("steps", "tokens", "threads", "global_batch"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"train.{name}: must be >= 1, got {value}")
-        for name in ("micro_batch", "grad_accum", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise ConfigError(f"train.eval_every: must be >= 0, got {self.eval_every}")
 
 
 @dataclass
@@ -85,19 +80,24 @@ class CheckpointConfig:
 
     every: int | Literal["auto"] = field(
         0,
+        ge=0,
         help="save every N steps (0: only at the end); 'auto': the Young/Daly interval sqrt(2 * save cost * MTBF)",
     )
     at_end: bool = field(True, help="save when training finishes")
-    keep_last: int = field(3, help="keep the newest K checkpoints (0 keeps all)")
-    keep_every: int = field(0, help="also keep every checkpoint whose step is a multiple of M (0: none)")
+    keep_last: int = field(3, ge=0, help="keep the newest K checkpoints (0 keeps all)")
+    keep_every: int = field(
+        0, ge=0, help="also keep every checkpoint whose step is a multiple of M (0: none)"
+    )
     async_save: bool = field(True, help="block only for an in-memory snapshot; write in the background")
     mtbf_s: float = field(
         86400.0,
+        gt=0,
         help="assumed mean time between failures for every='auto' (the run's observed MTBF replaces it)",
     )
-    auto_first_step: int = field(10, help="every='auto': the first save, which measures the save cost")
+    auto_first_step: int = field(10, ge=1, help="every='auto': the first save, which measures the save cost")
     memory_every: int = field(
         0,
+        ge=0,
         help="also snapshot every N steps to an in-memory tier (tmpfs) that survives a killed process, "
         "not a lost machine; a resume takes the newest verified of both tiers (0: off)",
     )
@@ -106,18 +106,8 @@ class CheckpointConfig:
     )
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if self.every != "auto" and self.every < 0:
-            raise ConfigError(f"checkpoint.every: must be >= 0 or 'auto', got {self.every}")
-        for name in ("keep_last", "keep_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"checkpoint.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.mtbf_s <= 0:
-            raise ConfigError(f"checkpoint.mtbf_s: must be > 0, got {self.mtbf_s}")
-        if self.memory_every < 0:
-            raise ConfigError(f"checkpoint.memory_every: must be >= 0, got {self.memory_every}")
-        if self.auto_first_step < 1:
-            raise ConfigError(f"checkpoint.auto_first_step: must be >= 1, got {self.auto_first_step}")
+        """Check bounds; names the offending field."""
+        cfglib.check_bounds(self, "checkpoint")
 
 
 @dataclass
@@ -126,12 +116,11 @@ class LogConfig:
 
     tensorboard: bool = field(True, help="also write scalars to RUN_DIR/tensorboard")
     progress: bool = field(True, help="show a progress bar (a line every `print_every` steps off a terminal)")
-    print_every: int = field(50, help="steps between progress lines when not on a terminal")
+    print_every: int = field(50, ge=1, help="steps between progress lines when not on a terminal")
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if self.print_every < 1:
-            raise ConfigError(f"log.print_every: must be >= 1, got {self.print_every}")
+        """Check bounds; names the offending field."""
+        cfglib.check_bounds(self, "log")
 
 
 @dataclass

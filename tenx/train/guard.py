@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.errors import ConfigError
 
 
@@ -29,27 +29,20 @@ class GuardConfig:
     """When to skip an update and when to roll back."""
 
     enabled: bool = field(True, help="check every step's loss and gradient norm")
-    window: int = field(100, help="good steps in the rolling window of the spike test")
-    min_history: int = field(20, help="good steps needed before the spike test applies")
+    window: int = field(100, ge=1, help="good steps in the rolling window of the spike test")
+    min_history: int = field(20, ge=1, help="good steps needed before the spike test applies")
     loss_sigma: float = field(
-        6.0, help="a loss this many standard deviations above the window is a spike (0: off)"
+        6.0, ge=0, help="a loss this many standard deviations above the window is a spike (0: off)"
     )
-    grad_norm_sigma: float = field(0.0, help="the same for the gradient norm (0: off, the default)")
-    max_bad_steps: int = field(3, help="consecutive bad steps that trigger a rollback")
-    max_rollbacks: int = field(5, help="rollbacks in one process before the run stops with an error")
+    grad_norm_sigma: float = field(0.0, ge=0, help="the same for the gradient norm (0: off, the default)")
+    max_bad_steps: int = field(3, ge=1, help="consecutive bad steps that trigger a rollback")
+    max_rollbacks: int = field(5, ge=0, help="rollbacks in one process before the run stops with an error")
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        for name in ("window", "min_history", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"guard.{name}: must be >= 1, got {getattr(self, name)}")
+        """Check bounds and that the history fits the window; names the offending field."""
+        check_bounds(self, "guard")
         if self.min_history > self.window:
             raise ConfigError(f"guard.min_history: {self.min_history} exceeds guard.window {self.window}")
-        for name in ("loss_sigma", "grad_norm_sigma"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"guard.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.max_rollbacks < 0:
-            raise ConfigError(f"guard.max_rollbacks: must be >= 0, got {self.max_rollbacks}")
 
 
 class StepGuard:

@@ -9,41 +9,32 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tenx.config import field
-from tenx.errors import ConfigError
+from tenx.config import check_bounds, field
 
 
 @dataclass
 class OptimConfig:
     """AdamW hyper-parameters and the learning-rate schedule."""
 
-    lr: float = field(3e-3, help="peak learning rate")
-    min_lr_ratio: float = field(0.1, help="final learning rate as a fraction of the peak")
-    weight_decay: float = field(0.1, help="decoupled weight decay on matrices (not on norms, biases)")
-    beta1: float = field(0.9, help="AdamW beta1")
-    beta2: float = field(0.95, help="AdamW beta2")
+    lr: float = field(3e-3, gt=0, help="peak learning rate")
+    min_lr_ratio: float = field(0.1, ge=0, le=1, help="final learning rate as a fraction of the peak")
+    weight_decay: float = field(0.1, ge=0, help="decoupled weight decay on matrices (not on norms, biases)")
+    beta1: float = field(0.9, ge=0, lt=1, help="AdamW beta1")
+    beta2: float = field(0.95, ge=0, lt=1, help="AdamW beta2")
     eps: float = field(1e-8, help="AdamW epsilon")
-    grad_clip: float = field(1.0, help="clip the global gradient norm to this value (0 disables)")
+    grad_clip: float = field(1.0, ge=0, help="clip the global gradient norm to this value (0 disables)")
     schedule: Literal["cosine", "wsd", "constant"] = field(
         "cosine", help="learning-rate schedule after warmup"
     )
-    warmup_steps: int = field(50, help="linear warmup steps from 0 to the peak")
-    decay_fraction: float = field(0.2, help="wsd only: fraction of the run spent decaying at the end")
+    warmup_steps: int = field(50, ge=0, help="linear warmup steps from 0 to the peak")
+    decay_fraction: float = field(
+        0.2, gt=0, le=1, help="wsd only: fraction of the run spent decaying at the end"
+    )
     fused: bool | None = field(None, help="fused AdamW kernel; default: use it when the device supports it")
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        if not self.lr > 0:
-            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"optim.{name}: must be in [0, 1), got {getattr(self, name)}")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
-            raise ConfigError("optim.weight_decay, optim.grad_clip and optim.warmup_steps must be >= 0")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"optim.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
+        """Check bounds; names the offending field."""
+        check_bounds(self, "optim")
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -8,14 +8,15 @@ from typing import Any
 import torch
 
 from tenx import checkpoint as ckpt
+from tenx import rundir
 from tenx.errors import TenxError
-from tenx.monitor.metrics import MetricsLogger, Progress
-from tenx.parallel.consistency import ConsistencyCheck
 from tenx.parallel.distributed import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.plan.hardware import pick_device
 from tenx.train.callbacks import Checkpointing, Validation
+from tenx.train.callbacks.consistency import ConsistencyCheck
+from tenx.train.callbacks.faults import build_injector
+from tenx.train.callbacks.metrics import MetricsLogger, Progress
 from tenx.train.config import RunConfig
-from tenx.train.faults import build_injector
 from tenx.train.trainer import Callback, Trainer
 
 
@@ -54,7 +55,7 @@ def train(
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path."""
     run_dir = Path(run_dir)
-    if resume is None and ckpt.list_checkpoints(run_dir / "checkpoints"):
+    if resume is None and ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
         raise TenxError(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"

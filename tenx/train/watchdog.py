@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tenx.config import field
-from tenx.errors import ConfigError
+from tenx.config import check_bounds, field
 
 if TYPE_CHECKING:
     from tenx.monitor.events import EventLog
@@ -32,17 +31,15 @@ class WatchdogConfig:
     """How long a step may take before the run counts as hung."""
 
     timeout_s: float = field(
-        600.0, help="seconds without a completed step before the run is declared hung (0: off)"
+        600.0, ge=0, help="seconds without a completed step before the run is declared hung (0: off)"
     )
     first_step_timeout_s: float = field(
-        1800.0, help="the same limit before the first step (startup, compilation, data verification)"
+        1800.0, ge=0, help="the same limit before the first step (startup, compilation, data verification)"
     )
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
-        for name in ("timeout_s", "first_step_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"watchdog.{name}: must be >= 0, got {getattr(self, name)}")
+        """Check bounds; names the offending field."""
+        check_bounds(self, "watchdog")
 
 
 class Watchdog:

@@ -7,12 +7,11 @@ a bootstrap over runs (the original's were implausibly narrow). Predicted log lo
 that are linear in the parameters, e.g. log L = logsumexp(a - alpha log N, b - beta log D, e) with
 A = e^a, B = e^b, E = e^e, so one optimiser serves every law.
 
-Modules, each importing only those listed after it: command (`tenx fit`), report (the whole analysis of a run
-table), plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
+Modules, each importing only those listed after it: report (the whole analysis of a run table; the `tenx fit`
+command in tenx/cli.py calls it), plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
 FitConfig, FitResult, the fit functions), solver (the optimiser).
 """
 
-from tenx.scaling.fit.command import add_fit_parser, cmd_fit
 from tenx.scaling.fit.frontier import (
     best_per_budget,
     budget_groups,
@@ -49,10 +48,8 @@ __all__ = [
     "TIED_FORM",
     "FitConfig",
     "FitResult",
-    "add_fit_parser",
     "best_per_budget",
     "budget_groups",
-    "cmd_fit",
     "compute_for_loss",
     "compute_optimal",
     "effective_data",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize
 
-from tenx.config import field
+from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, DataError, TenxError
 from tenx.scaling.fit.solver import Problem, best_starts, logsumexp, optimise, resample, with_serial_blas
 
@@ -62,17 +62,19 @@ class FitConfig:
         "to the odd bad run)",
     )
     bootstrap: int = field(
-        200, help="bootstrap resamples of the runs for the confidence intervals (0: no intervals)"
+        200, ge=0, help="bootstrap resamples of the runs for the confidence intervals (0: no intervals)"
     )
     seed: int = field(0, help="seed of the bootstrap resampling (same seed, same intervals)")
-    level: float = field(0.95, help="confidence level of the percentile intervals")
+    level: float = field(0.95, gt=0, lt=1, help="confidence level of the percentile intervals")
     starts: int = field(
         64,
+        ge=0,
         help="L-BFGS-B runs from this many of the grid's starting points, those with the lowest loss "
         "(0: every point of the grid); on the Gadre et al. runs 64 find the optimum of the full grid",
     )
     bootstrap_starts: int = field(
         2,
+        ge=0,
         help="each bootstrap refit starts from the full-data optimum and up to this many of the other "
         "distinct optima the full-data fit reached from the grid",
     )
@@ -81,17 +83,10 @@ class FitConfig:
     )
 
     def validate(self) -> None:
-        """Check ranges; names the offending field."""
+        """Check bounds and that huber_delta is a finite positive number; names the offending field."""
+        check_bounds(self, "fit")
         if not (self.huber_delta > 0 and math.isfinite(self.huber_delta)):
             raise ConfigError(f"fit.huber_delta: must be a positive number, got {self.huber_delta}")
-        if self.bootstrap < 0:
-            raise ConfigError(f"fit.bootstrap: must be >= 0, got {self.bootstrap}")
-        if not 0 < self.level < 1:
-            raise ConfigError(f"fit.level: must be in (0, 1), got {self.level}")
-        if self.starts < 0 or self.bootstrap_starts < 0:
-            raise ConfigError(
-                f"fit.starts / fit.bootstrap_starts: must be >= 0, got {self.starts} / {self.bootstrap_starts}"
-            )
 
 
 @dataclass

@@ -29,8 +29,7 @@ holding the next training window), `rank=R` (only rank R fires; default 0), and 
 not given are drawn from `faults.seed` and the step.
 
 The injector is a Callback beside the trainer: it acts from `on_step_start` (bitflip included),
-through a forward hook on the model for nan/spike, and through the trainer's `before_publish` hooks
-for saves. The math is never edited for it.
+through a forward hook on the model for nan/spike, and from `post_checkpoint_saved` for saves. The math is never edited for it.
 """
 
 from __future__ import annotations
@@ -47,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 from tenx.config import field
 from tenx.errors import ConfigError
 from tenx.train.hooks import Callback
+from tenx.utils.tensors import local_tensor
 
 if TYPE_CHECKING:
     import torch
 
-    from tenx.train.trainer import Trainer
 
 KINDS = (
     "crash",
@@ -201,7 +200,7 @@ class FaultInjector(Callback):
         self._hooks: list[Any] = []
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: Any) -> None:
         from tenx.monitor.events import read_events
 
         self._fired = {
@@ -209,10 +208,8 @@ class FaultInjector(Callback):
             for e in read_events(trainer.run_dir)
             if e.get("kind") == "fault" and e.get("step") is not None
         }
-        if any(s.phase == "save" for s in self.specs):
-            trainer.before_publish.append(lambda tmp_dir, step: self._on_save(tmp_dir, step, trainer))
 
-    def _due(self, trainer: Trainer, step: int, phase: str) -> list[FaultSpec]:
+    def _due(self, trainer: Any, step: int, phase: str) -> list[FaultSpec]:
         due = []
         for i, spec in enumerate(self.specs):
             if spec.phase != phase or spec.rank != trainer.rank or (spec.text, step) in self._fired:
@@ -221,22 +218,22 @@ class FaultInjector(Callback):
                 due.append(spec)
         return due
 
-    def _record(self, trainer: Trainer, spec: FaultSpec, step: int, **fields: Any) -> None:
+    def _record(self, trainer: Any, spec: FaultSpec, step: int, **fields: Any) -> None:
         self._fired.add((spec.text, step))
         trainer.events.emit("fault", step, fault=spec.text, fault_kind=spec.kind, **fields)
 
     # -- the faults --------------------------------------------------------------------------------
-    def on_step_start(self, trainer: Trainer) -> None:
+    def on_step_start(self, trainer: Any) -> None:
         step = trainer.step + 1
         for spec in self._due(trainer, step, "step"):
             self._fire(trainer, spec, step)
 
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
 
-    def _fire(self, trainer: Trainer, spec: FaultSpec, step: int) -> None:
+    def _fire(self, trainer: Any, spec: FaultSpec, step: int) -> None:
         kind = spec.kind
         if kind == "crash":
             self._record(trainer, spec, step)
@@ -288,20 +285,20 @@ class FaultInjector(Callback):
         elif kind == "bitflip":
             self._flip_bit(trainer, spec, step)
 
-    def _flip_bit(self, trainer: Trainer, spec: FaultSpec, step: int) -> None:
+    def _flip_bit(self, trainer: Any, spec: FaultSpec, step: int) -> None:
         """Flip bit `spec.bit` of one element of one parameter's local shard, in place."""
         import torch
 
         params = dict(trainer.raw_model.named_parameters())
         rng = random.Random(f"tenx-bitflip:{self.seed}:{step}")
         if spec.param is None:
-            name = rng.choice([n for n, p in params.items() if _local(p).numel() > 0])
+            name = rng.choice([n for n, p in params.items() if local_tensor(p).numel() > 0])
         elif spec.param in params:
             name = spec.param
         else:
             some = ", ".join(list(params)[:6])
             raise ConfigError(f"{spec.text}: no parameter {spec.param!r}; parameters include {some}, ...")
-        local = _local(params[name]).detach()
+        local = local_tensor(params[name]).detach()
         width = 8 * local.element_size()
         if spec.bit >= width:
             raise ConfigError(f"{spec.text}: bit={spec.bit}, but {name} is {local.dtype} ({width} bits)")
@@ -329,16 +326,11 @@ class FaultInjector(Callback):
             )
             ints[index : index + 1] = flipped
 
-    def _on_save(self, tmp_dir: Path, step: int, trainer: Trainer) -> None:
+    def post_checkpoint_saved(self, trainer: Any, tmp_dir: Path, step: int) -> None:
+        """A save of `step` is complete but unpublished: a `sigkill@...,phase=save` fault fires here."""
         for spec in self._due(trainer, step, "save"):
             self._record(trainer, spec, step, phase="save", tmp_dir=str(tmp_dir))
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or `t`."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _scale_output(factor: float):

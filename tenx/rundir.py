@@ -1,0 +1,125 @@
+"""RunDir: the one place that names every file and folder of a run directory.
+
+```
+RUN_DIR/
+  config.toml          the resolved config (written at start)
+  run.json             provenance: version, git commit, hardware, parameter and FLOP counts
+  run_id               this directory's identity (the in-memory tier loads only its own snapshots)
+  metrics.jsonl        one JSON line per step
+  events.jsonl         what happened besides steps (resume, rollback, faults, heals, ...)
+  ledger.jsonl         goodput ledger: time spent productively and otherwise
+  data_skips.json      data skipped after rollbacks (a resume from an older checkpoint skips it too)
+  supervisor.json      the supervisor's report of attempts (tenx train --supervise)
+  eval.json            the last `tenx eval` report
+  loss_curve.png       the loss curve (quickstart, ladder runs)
+  stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
+  tensorboard/         TensorBoard scalars
+  checkpoints/         step_XXXXXXXX/ checkpoints (tenx.checkpoint)
+```
+
+Other modules ask a RunDir for a path; none spells these names (tests/test_layers.py checks).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.toml"
+PROVENANCE = "run.json"
+RUN_ID = "run_id"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+LEDGER = "ledger.jsonl"
+DATA_SKIPS = "data_skips.json"
+SUPERVISOR = "supervisor.json"
+EVAL = "eval.json"
+LOSS_CURVE = "loss_curve.png"
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+"""A published checkpoint's directory name."""
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint of `step`."""
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory and the paths of everything in it."""
+
+    root: Path
+
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.root / name
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def provenance(self) -> Path:
+        return self.root / PROVENANCE
+
+    @property
+    def run_id(self) -> Path:
+        return self.root / RUN_ID
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / LEDGER
+
+    @property
+    def data_skips(self) -> Path:
+        return self.root / DATA_SKIPS
+
+    @property
+    def supervisor(self) -> Path:
+        return self.root / SUPERVISOR
+
+    @property
+    def eval_report(self) -> Path:
+        return self.root / EVAL
+
+    @property
+    def loss_curve(self) -> Path:
+        return self.root / LOSS_CURVE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def checkpoint(self, step: int) -> Path:
+        """The directory of the checkpoint of `step` (whether or not it exists)."""
+        return self.checkpoints / step_dir_name(step)
+
+    def stacks(self, pid: int) -> Path:
+        """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""
+        return self.root / f"stacks-pid{pid}.txt"
+
+    @staticmethod
+    def of_checkpoint(path: str | Path) -> RunDir | None:
+        """The run directory a checkpoint directory belongs to (None when it is not under checkpoints/)."""
+        path = Path(path)
+        return RunDir(path.parent.parent) if path.parent.name == CHECKPOINTS else None
