@@ -176,6 +176,12 @@ def main() -> None:
     (out / "drill.json").write_text(json.dumps(summary, indent=2, default=str))
     goal = report["goodput"] >= 0.90
     print(f"goal goodput >= 0.90: {'met' if goal else 'NOT met'} ({report['goodput']:.3f})")
+    figures = {k: v for k, v in summary.items() if k != "ledger"}
+    print(
+        json.dumps(
+            {"bench": "chaos_drill", "baseline": "the same run without faults", **figures}, default=str
+        )
+    )
     if not identical or kills_fired < args.min_kills or not report["finished"]:
         raise SystemExit("drill FAILED")
 

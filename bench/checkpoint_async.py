@@ -13,6 +13,7 @@ the training steps that overlap a background write are than those that do not.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -142,8 +143,17 @@ def main() -> None:
     print(
         f"blocking / synchronous (medians): {ratio:.3f}  (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})"
     )
+    figures = {
+        "bench": "checkpoint_async",
+        "baseline": "synchronous save",
+        "blocking_over_sync": ratio,
+        "sync_median_s": statistics.median(sync_times),
+        "async_blocking_median_s": statistics.median(blocking),
+        "async_write_median_s": statistics.median(write_times),
+    }
     if overlapped_steps and quiet_steps:
         q, o = statistics.median(quiet_steps), statistics.median(overlapped_steps)
+        figures["step_slowdown_while_writing"] = o / q
         print(
             f"training step: {q:.3f} s median with no write running ({len(quiet_steps)} steps), "
             f"{o:.3f} s while a background write runs ({len(overlapped_steps)} steps): {o / q:.2f}x"
@@ -154,6 +164,7 @@ def main() -> None:
             f"per save: {saved:.3f} s of blocking saved, "
             f"{lost * len(overlapped_steps) / args.saves:.3f} s of step slowdown while writing"
         )
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

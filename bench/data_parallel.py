@@ -102,6 +102,20 @@ def main() -> None:
             f"{r['label']:>12}: {r['tokens_per_s']:9.0f} tokens/s  ratio {r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
             f"  final loss {r['loss']:.5f}"
         )
+    print(
+        json.dumps(
+            {
+                "bench": "data_parallel",
+                "baseline": "1 process",
+                **{
+                    f"ratio_{r['label'].split()[-1]}": r["tokens_per_s"] / base["tokens_per_s"]
+                    for r in results[1:]
+                },
+                "tokens_per_s": {r["label"]: r["tokens_per_s"] for r in results},
+                "final_loss": {r["label"]: r["loss"] for r in results},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -191,6 +191,11 @@ def main() -> None:
         f"{100 * val_gap:+.2f}%; outer lr {args.outer_lr}, momentum {args.outer_momentum})"
     )
     print(f"bytes sent, sync / diloco: {ratio:.1f}x (H = {args.sync_every})")
+    print(
+        json.dumps(
+            {"bench": "diloco_vs_sync", **{k: v for k, v in summary.items() if k not in ("runs", "args")}}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import sys
 import time
@@ -253,6 +254,19 @@ def main() -> None:
         f"ratio vs reference with tenx's default CPU precision: "
         f"{results[2]['tokens_per_s'] / ref['tokens_per_s']:.2f}x, loss {results[2]['final_loss']:.4f} "
         f"vs {ref['final_loss']:.4f} after {args.steps * MICRO_BATCH * SEQ_LEN:,} tokens"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "train_throughput",
+                "baseline": ref["name"],
+                "ratio_fp32": results[1]["tokens_per_s"] / ref["tokens_per_s"],
+                "ratio_fp32_same_allocator": results[1]["tokens_per_s"] / results[-1]["tokens_per_s"],
+                "ratio_default_precision": results[2]["tokens_per_s"] / ref["tokens_per_s"],
+                "tokens_per_s": {r["name"]: r["tokens_per_s"] for r in results},
+                "final_loss": {r["name"]: r["final_loss"] for r in results},
+            }
+        )
     )
 
 
