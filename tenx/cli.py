@@ -97,14 +97,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"{name:>12}: {r['bits_per_byte']:.4f} bits/byte | loss {r['loss']:.4f} nats/token | "
             f"ppl {r['perplexity']:.2f} | {r['tokens']:,} tokens | {r['bytes']:,} bytes"
         )
+    if report.get("write_error"):
+        raise TenxError(f"{report['write_error']}; the results above were computed but not saved (use --out)")
     print(f"wrote {report['path']}")
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.load import load_model
-    from tenx.eval.sample import generate
+    from tenx.eval.sample import check_sampling, generate
 
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
     loaded = load_model(args.target, args.device)
     tokenizer = load_tokenizer(loaded.data_dir)
     prompt = tokenizer.encode(args.prompt) if args.prompt else []
@@ -459,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KIND@step=N|KIND@p=P",
         help="inject a fault (repeatable): crash, sigkill, hang, nan, spike, corrupt-checkpoint, "
-        "corrupt-shard, slow; see docs/fault-tolerance.md",
+        "corrupt-shard, slow, bitflip; see docs/fault-tolerance.md",
     )
     tp.add_argument("--fault-seed", type=int, default=None, help="seed of random (p=P) faults")
     tp.add_argument(
@@ -496,8 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("sample", help="print a continuation of a prompt")
     sp.add_argument("target", help="run directory or checkpoint directory")
     sp.add_argument("--prompt", default="", help="text to continue")
-    sp.add_argument("--max-new-tokens", type=int, default=200)
-    sp.add_argument("--temperature", type=float, default=0.8)
+    sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, >= 0 (default 200)")
+    sp.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature, >= 0; 0 is greedy (default 0.8)"
+    )
     sp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--device", default="auto")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import operator
 import sys
 import types
@@ -155,6 +156,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML and overrides accept inf and nan; no tenx field does
+                raise ConfigError(f"{where}: must be a finite number, got {value!r}")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

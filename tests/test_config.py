@@ -103,7 +103,8 @@ def test_docs_field_reference_is_current():
         ("parallel.replicas.groups=0", r"parallel\.replicas\.groups: must be >= 1, got 0"),
         ("parallel.replicas.manager_port=65536", r"manager_port: must be in \[0, 65536\), got 65536"),
         ("optim.decay_fraction=0", r"optim\.decay_fraction: must be in \(0, 1\], got 0\.0"),
-        ("optim.lr=nan", r"optim\.lr: must be > 0, got nan"),
+        ("optim.lr=nan", r"optim\.lr: must be a finite number, got nan"),
+        ("optim.lr=inf", r"optim\.lr: must be a finite number, got inf"),
         ("checkpoint.every=-1", r"checkpoint\.every: must be >= 0 or 'auto', got -1"),
     ],
 )

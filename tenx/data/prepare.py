@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import sys
 from collections.abc import Iterator
@@ -176,6 +177,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     """Turn `cfg.source` into verified token shards under `cfg.out` and return the manifest written there."""
     cfg.validate()
     out = Path(cfg.out)
+    _check_out_dir(out)
     source_entry = _source_entry(cfg)
     documents, stats = _read_documents(cfg, progress)
     if not documents:
@@ -195,6 +197,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
         docs.sort(key=lambda d: d.id)
 
     out.mkdir(parents=True, exist_ok=True)
+    previous = _listed_files(out)  # only files an earlier manifest listed may be removed as stale
     # Drop any previous manifest first: shards are rewritten in place, and no manifest may point at them meanwhile.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(out)
@@ -223,7 +226,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
         "splits": splits,
     }
     atomic_write_json(out / MANIFEST_NAME, manifest)
-    _remove_stale_files(out, manifest)
+    _remove_stale_files(out, manifest, previous)
     return manifest
 
 
@@ -419,12 +422,53 @@ def _write_split(
     }
 
 
-def _remove_stale_files(out: Path, manifest: dict[str, Any]) -> None:
-    # A re-prepare into the same directory may leave shards (or a tokenizer.json) the new manifest no longer names.
-    referenced = {manifest["tokenizer"]["file"]}
-    for entry in manifest["splits"].values():
-        for shard in entry["shards"]:
-            referenced.update((shard["file"], shard["index_file"]))
-    for path in out.iterdir():
-        if (_SHARD_NAME.match(path.name) or path.name == BPE_FILE) and path.name not in referenced:
+def _manifest_files(manifest: Any) -> set[str]:
+    """The file names a data manifest lists (tokenizer, shards, indexes); empty for anything malformed."""
+    try:
+        names = {manifest["tokenizer"]["file"]}
+        for entry in manifest["splits"].values():
+            for shard in entry["shards"]:
+                names.update((shard["file"], shard["index_file"]))
+    except (KeyError, TypeError, AttributeError):
+        return set()
+    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
+
+
+def _listed_files(out: Path) -> set[str]:
+    """The files the manifest already in `out` lists (none when there is no readable manifest)."""
+    try:
+        return _manifest_files(json.loads((out / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError):
+        return set()
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an output that is a file, or a non-empty directory that is not a tenx data directory."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a directory; give a directory (it is created if needed)")
+    if not out.is_dir():
+        return
+    foreign = sorted(
+        p.name
+        for p in out.iterdir()
+        if not (
+            p.name == MANIFEST_NAME
+            or p.name == BPE_FILE
+            or _SHARD_NAME.match(p.name)
+            or p.name.startswith(".")
+        )
+    )
+    if foreign:
+        raise DataError(
+            f"--out {out} holds files tenx did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty directory, nothing was changed"
+        )
+
+
+def _remove_stale_files(out: Path, manifest: dict[str, Any], previous: set[str]) -> None:
+    # A re-prepare into the same directory may leave shards (or a tokenizer.json) the new manifest no longer
+    # names. Only files the previous manifest listed are removed: never one tenx did not write.
+    for name in sorted(previous - _manifest_files(manifest)):
+        path = out / name
+        if path.is_file() and (_SHARD_NAME.match(name) or name == BPE_FILE):
             path.unlink()

@@ -45,6 +45,12 @@ def evaluate(
     `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
+    for name in datasets or []:
+        if name not in PREPARED_SPLITS and not _is_text_source(name):
+            raise TenxError(
+                f"--split {name!r} is neither a prepared split ({', '.join(PREPARED_SPLITS)}) nor an existing "
+                "file or directory of text (or hf:NAME, stdlib)"
+            )
     loaded = load_model(target, device)
     seq_len = loaded.model.cfg.seq_len
     if stride is not None and stride < 1:
@@ -78,6 +84,15 @@ def evaluate(
         "overall": combine(results),
     }
     out_path = Path(out) if out else (loaded.run_dir or loaded.checkpoint) / rundir.EVAL
-    atomic_write_json(out_path, report)
-    report["path"] = str(out_path)
+    try:
+        atomic_write_json(out_path, report)
+        report["path"] = str(out_path)
+    except OSError as e:  # the results are kept (returned and printed); only the file is missing
+        report["path"] = None
+        report["write_error"] = f"could not write {out_path}: {e.strerror or e}"
     return report
+
+
+def _is_text_source(spec: str) -> bool:
+    """Whether `spec` names something read_texts can read (a path, hf:NAME, stdlib)."""
+    return spec.startswith("hf:") or spec == "stdlib" or Path(spec).expanduser().exists()

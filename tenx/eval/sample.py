@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from tenx.errors import TenxError
 from tenx.model.transformer import Transformer
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse sampling settings that make no sense, naming the flag."""
+    if max_new_tokens < 0:
+        raise TenxError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise TenxError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise TenxError(f"--top-k must be >= 0 (0: all tokens), got {top_k}")
 
 
 @torch.no_grad()
@@ -23,6 +36,7 @@ def generate(
 
     `vocab_size` masks the padding ids above the tokenizer's vocabulary.
     """
+    check_sampling(max_new_tokens, temperature, top_k)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)

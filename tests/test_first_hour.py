@@ -1,0 +1,101 @@
+"""A newcomer's bad inputs end in one clear error, and nothing of theirs is lost (issue 14, first part)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tenx.cli import build_parser, main
+from tenx.data.prepare import PrepareConfig, prepare
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 0, got -5"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+    ],
+)
+def test_sample_refuses_senseless_settings_before_loading_anything(tmp_path, capsys, flags, message):
+    code, _, err = _run(["sample", str(tmp_path / "no-such-run"), *flags], capsys)
+    assert code == 2 and err.startswith("tenx: error: ") and message in err
+
+
+def test_eval_names_the_splits_when_one_is_misspelt(tmp_path, capsys):
+    code, _, err = _run(["eval", str(tmp_path / "no-such-run"), "--split", "heldot"], capsys)
+    assert code == 2 and "--split 'heldot' is neither a prepared split (train, val, heldout)" in err
+
+
+def test_fault_help_lists_every_kind():
+    from tenx.train.callbacks.faults import KINDS
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    train = sub.choices["train"]
+    train.format_help()  # subcommand flags are added when first used
+    fault = next(a for a in train._actions if "--fault" in a.option_strings)
+    assert all(kind in fault.help for kind in KINDS)
+
+
+def test_eval_prints_its_results_when_eval_json_cannot_be_written(tiny_data, tiny_config, tmp_path, capsys):
+    from tenx.train.run import train
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, "train.steps=3", "train.threads=1"), run)
+    capsys.readouterr()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    code, out, err = _run(["eval", str(run), "--out", str(blocker / "eval.json"), "--device", "cpu"], capsys)
+    assert code == 2 and "heldout:" in out and "bits/byte" in out  # printed first
+    assert "could not write" in err and "the results above were computed" in err
+    assert blocker.read_text() == "mine"
+
+
+def test_prepare_refuses_a_file_and_a_foreign_directory_and_changes_nothing(corpus_dir, tmp_path):
+    from tenx.errors import DataError
+
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    with pytest.raises(DataError, match="is a file, not a directory"):
+        prepare(PrepareConfig(source=str(corpus_dir), out=str(target), tokenizer="bytes"), progress=False)
+    assert target.read_text() == "mine"
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    (home / "train_00000.bin").write_bytes(b"also mine")
+    with pytest.raises(DataError, match=r"holds files tenx did not write \(thesis\.tex\)"):
+        prepare(PrepareConfig(source=str(corpus_dir), out=str(home), tokenizer="bytes"), progress=False)
+    assert (home / "thesis.tex").read_text() == "years of work"
+    assert (home / "train_00000.bin").read_bytes() == b"also mine"
+
+
+def test_reprepare_removes_only_files_the_previous_manifest_listed(corpus_dir, tmp_path):
+    out = tmp_path / "data"
+    prepare(
+        PrepareConfig(source=str(corpus_dir), out=str(out), tokenizer="bytes", shard_tokens=50_000),
+        progress=False,
+    )
+    listed = json.loads((out / "manifest.json").read_text())
+    user_file = out / "train_00099.bin"  # named like a shard, but no manifest ever listed it
+    user_file.write_bytes(b"mine")
+    prepare(PrepareConfig(source=str(corpus_dir), out=str(out), tokenizer="bytes"), progress=False)
+    assert user_file.read_bytes() == b"mine"
+    now = {
+        s["file"]
+        for e in json.loads((out / "manifest.json").read_text())["splits"].values()
+        for s in e["shards"]
+    }
+    before = {s["file"] for e in listed["splits"].values() for s in e["shards"]}
+    assert all(
+        not (out / name).exists() for name in before - now
+    )  # the stale shards of the first run are gone
+    assert Path(out / "manifest.json").exists()
