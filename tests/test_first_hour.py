@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tenx.cli import build_parser, main
 from tenx.data.prepare import PrepareConfig, prepare
@@ -99,3 +100,50 @@ def test_reprepare_removes_only_files_the_previous_manifest_listed(corpus_dir, t
         not (out / name).exists() for name in before - now
     )  # the stale shards of the first run are gone
     assert Path(out / "manifest.json").exists()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_training_saves_a_checkpoint_that_resumes_exactly(tiny_data, tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tenx.eval.load import load_model
+
+    sets = [f'data.dir="{tiny_data}"', "train.steps=400", "train.threads=1", "log.progress=false"]
+    sets += ["checkpoint.every=1000", "checkpoint.at_end=true", "train.eval_every=1000"]
+    args = [x for s in sets for x in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tenx", "train", "--config", "tiny", "--run-dir", str(run), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err
+    line = next(x for x in out.splitlines() if x.startswith(f"tenx: {sig} at step"))
+    step = int(line.split("at step ")[1].split(":")[0])
+    saved = run / "checkpoints" / f"step_{step:08d}"
+    assert str(saved) in line and saved.is_dir() and 5 <= step < 400
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert rows[-1]["step"] == step  # the checkpoint holds the last step trained
+    # resume it to the end, and compare with an uninterrupted run of the same config
+    subprocess.run([*cmd, "--resume", "auto"], check=True, capture_output=True, env=env, timeout=120)
+    straight = tmp_path / "straight"
+    subprocess.run(
+        [sys.executable, "-m", "tenx", "train", "--config", "tiny", "--run-dir", str(straight), *args],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
+    a = load_model(run, "cpu").model.state_dict()
+    b = load_model(straight, "cpu").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

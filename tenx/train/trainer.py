@@ -14,6 +14,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,34 @@ from tenx.train.hooks import Callback
 from tenx.train.optim import lr_at
 from tenx.train.parts import Parts, build_parts
 from tenx.train.rng import seed_everything
-from tenx.train.state import TrainerState, git_commit
+from tenx.train.state import TrainerState, _step_of, git_commit
 
 __all__ = ["Callback", "Trainer", "git_commit", "resolve_precision", "seed_everything"]
 
 _SIGUSR1 = getattr(signal, "SIGUSR1", None)
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT during training: remember it, so the loop saves a checkpoint at the step's end.
+
+    Installed only in the main thread. The first signal restores the previous handlers, so a second one
+    acts at once (Ctrl-C twice stops without waiting for the save).
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.restore()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class Trainer(TrainerState):
@@ -243,6 +267,7 @@ class Trainer(TrainerState):
         if _SIGUSR1 is not None:  # `kill -USR1 PID` dumps every thread's stack into the run directory
             faulthandler.register(_SIGUSR1, file=stacks, all_threads=True)
         metrics: dict[str, Any] = {}
+        stop = _StopRequest()
         try:
             if self.replicas is not None:
                 self.replicas.attach(
@@ -262,6 +287,9 @@ class Trainer(TrainerState):
                 if self._rollback_due:
                     self.rollback()
                 self.watchdog.beat(self.step)
+                signum = self._stop_requested(stop.signum)
+                if signum and self.step < self.total_steps:
+                    self._save_and_stop(signum)
             self._emit("on_train_end")
             self.checkpointer.wait()
             if self.rank == 0:
@@ -272,6 +300,7 @@ class Trainer(TrainerState):
             self._emit("on_error", error)
             raise
         finally:
+            stop.restore()
             self.watchdog.stop()
             if self.replicas is not None:
                 self.replicas.close()
@@ -284,3 +313,31 @@ class Trainer(TrainerState):
             if Path(stacks.name).stat().st_size == 0:
                 Path(stacks.name).unlink(missing_ok=True)
         return metrics
+
+    def _stop_requested(self, signum: int) -> int:
+        """The signal any rank received (0: none), the same on every rank, so all stop at one step.
+
+        Several ranks: a max-reduce on the training process group, from the loop's own thread (the
+        checkpoint group belongs to the background writer)."""
+        if self.world_size == 1:
+            return signum
+        t = torch.tensor([signum], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def _save_and_stop(self, signum: int) -> None:
+        """A scheduler's SIGTERM (preemption) or Ctrl-C: checkpoint this step, name it, stop (exit 130)."""
+        self.checkpointer.wait()
+        last = self.checkpointer.last_path
+        if last is None or _step_of(last) != self.step:
+            self.save_checkpoint()
+            self.checkpointer.wait()
+        path = self.rundir.checkpoint(self.step)
+        name = signal.Signals(signum).name
+        if self.rank == 0:
+            self.events.emit("stopped", self.step, signal=name, checkpoint=str(path))
+            print(
+                f"tenx: {name} at step {self.step}: saved checkpoint {path}; continue with --resume auto",
+                flush=True,
+            )
+        raise KeyboardInterrupt
