@@ -147,3 +147,56 @@ def test_a_signal_during_training_saves_a_checkpoint_that_resumes_exactly(tiny_d
     a = load_model(run, "cpu").model.state_dict()
     b = load_model(straight, "cpu").model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_says_which_checkpoint_it_used_when_the_newest_does_not_verify(
+    tiny_data, tiny_config, tmp_path, capsys
+):
+    from tenx.eval.load import load_model
+    from tenx.train.run import train
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, "train.steps=4", "checkpoint.every=2", "train.threads=1"), run)
+    newest = run / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    raw = bytearray(newest.read_bytes())
+    raw[-1] ^= 1
+    newest.write_bytes(bytes(raw))
+    capsys.readouterr()
+    loaded = load_model(run, "cpu")
+    err = capsys.readouterr().err
+    assert loaded.checkpoint.name == "step_00000002"
+    assert "skipping a newer checkpoint" in err and "step_00000004" in err and "fails its checksum" in err
+    assert f"using {loaded.checkpoint} instead" in err
+
+
+def test_eval_shows_progress_on_a_terminal(tiny_data, tiny_config, tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from tenx.train.run import train
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, "train.steps=2", "train.threads=1"), run)
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal has a size
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tenx", "eval", str(run), "--device", "cpu", "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=child_fd, env=env)
+    os.close(child_fd)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=120) == 0
+    os.close(main_fd)
+    assert b"eval:" in seen and b"batch" in seen

@@ -10,6 +10,7 @@ which makes models with different tokenizers, and xz, comparable on exactly the 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,12 @@ def stream_nll(
     positions = torch.arange(length, device=device)
     model.eval()
     total = 0.0
-    for i in range(0, len(plan), batch_size):
+    batches = range(0, len(plan), batch_size)
+    if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal, nothing in logs
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="eval", unit="batch", leave=False)
+    for i in batches:
         chunk = plan[i : i + batch_size]
         batch = torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])).to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
     if path is None:
         detail = f" ({'; '.join(skipped)})" if skipped else ""
         raise CheckpointError(f"run directory {target} has no checkpoint that verifies{detail}")
+    for note in skipped:  # never a silent fallback: say which checkpoint is used instead, and why
+        print(f"tenx: skipping a newer checkpoint: {note}", file=sys.stderr)
+    if skipped:
+        print(f"tenx: using {path} instead (the newest that verifies)", file=sys.stderr)
     return path, target
 
 
