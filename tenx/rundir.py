@@ -9,7 +9,6 @@ RUN_DIR/
   events.jsonl         what happened besides steps (resume, rollback, faults, heals, ...)
   ledger.jsonl         goodput ledger: time spent productively and otherwise
   data_skips.json      data skipped after rollbacks (a resume from an older checkpoint skips it too)
-  supervisor.json      the supervisor's report of attempts (tenx train --supervise)
   eval.json            the last `tenx eval` report
   loss_curve.png       the loss curve (quickstart, ladder runs)
   stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
@@ -33,7 +32,6 @@ METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 LEDGER = "ledger.jsonl"
 DATA_SKIPS = "data_skips.json"
-SUPERVISOR = "supervisor.json"
 EVAL = "eval.json"
 LOSS_CURVE = "loss_curve.png"
 TENSORBOARD = "tensorboard"
@@ -55,12 +53,6 @@ class RunDir:
 
     def __init__(self, root: str | Path) -> None:
         object.__setattr__(self, "root", Path(root))
-
-    def __fspath__(self) -> str:
-        return str(self.root)
-
-    def __truediv__(self, name: str) -> Path:
-        return self.root / name
 
     @property
     def config(self) -> Path:
@@ -91,14 +83,6 @@ class RunDir:
         return self.root / DATA_SKIPS
 
     @property
-    def supervisor(self) -> Path:
-        return self.root / SUPERVISOR
-
-    @property
-    def eval_report(self) -> Path:
-        return self.root / EVAL
-
-    @property
     def loss_curve(self) -> Path:
         return self.root / LOSS_CURVE
 
@@ -117,9 +101,3 @@ class RunDir:
     def stacks(self, pid: int) -> Path:
         """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""
         return self.root / f"stacks-pid{pid}.txt"
-
-    @staticmethod
-    def of_checkpoint(path: str | Path) -> RunDir | None:
-        """The run directory a checkpoint directory belongs to (None when it is not under checkpoints/)."""
-        path = Path(path)
-        return RunDir(path.parent.parent) if path.parent.name == CHECKPOINTS else None

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import io
 import json
+import os
 import re
 import socket
 import struct
@@ -222,8 +223,6 @@ def _mac(secret: bytes, data: bytes) -> str:
 
 def read_secret() -> bytes | None:
     """The shared secret from env TENX_REPLICA_SECRET (None when unset); refuses one too short to matter."""
-    import os
-
     raw = os.environ.get(SECRET_ENV, "")
     if not raw:
         return None

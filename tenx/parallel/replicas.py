@@ -26,7 +26,6 @@ least one other group is in the quorum (see docs/multi-cluster.md for the wire f
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from tenx.parallel.torchft_glue import (
     _fragments,
     _gloo_on_host,
     _manager_server_on,
-    _RefusalWithoutTraceback,
+    _quiet_refusals,
     store_on_host,
 )
 from tenx.utils.tensors import local_tensor
@@ -202,7 +201,7 @@ class Replicas:
         self._state_dict_fn: Callable[[], dict] | None = None
         self._transport: TensorTransport | None = None
         self.host = cfg.host
-        logging.getLogger("torchft.manager").addFilter(_RefusalWithoutTraceback())
+        _quiet_refusals()
 
     # ----- setup ----------------------------------------------------------------------------------
     def attach(

@@ -79,6 +79,16 @@ class _RefusalWithoutTraceback(logging.Filter):
         return True
 
 
+_REFUSAL_FILTER = _RefusalWithoutTraceback()
+
+
+def _quiet_refusals() -> None:
+    """Install the filter on torchft's manager logger once per process (each group object asks)."""
+    logger = logging.getLogger("torchft.manager")
+    if _REFUSAL_FILTER not in logger.filters:
+        logger.addFilter(_REFUSAL_FILTER)
+
+
 def store_on_host(host: str) -> tuple[Any, int]:
     """A TCPStore master listening on `host` only: (store, port).
 
