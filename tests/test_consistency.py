@@ -6,6 +6,7 @@ Multi-process tests run 2 ranks over gloo on the CPU (one thread each) with a ha
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import socket
 import subprocess
@@ -327,6 +328,9 @@ def _ddp_worker(rank: int, port: int, root: str) -> None:
                 _drive(trainer, callbacks, 12, data)
             except TenxError as e:
                 (run_dir / f"stopped-rank{rank}").write_text(f"{trainer.step + 1}: {e}")
+            del trainer, ddp, model, callbacks
+            gc.collect()
+            torch.distributed.barrier()  # no rank tears gloo down while its peer still sends
     finally:
         torch.distributed.destroy_process_group()
 
