@@ -18,6 +18,7 @@ from typing import Any
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
 from tenx.rundir import RunDir
+from tenx.utils.io import STORAGE_ERRNOS, storage_error
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
@@ -527,6 +528,17 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except TenxError as e:
         print(f"tenx: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full, read-only or forbidden file system: the user's to fix, not a bug
+        found = storage_error(e)
+        if found is None or found.errno is None:
+            raise
+        print(
+            f"tenx: error: {STORAGE_ERRNOS[found.errno]} ({found.filename or 'a file'}): free space or "
+            "choose a writable "
+            "directory, then run the command again",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("tenx: interrupted", file=sys.stderr)

@@ -34,6 +34,7 @@ M-th, and never the only checkpoint that verifies; a forged one counts as not ve
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -58,7 +59,7 @@ from tenx.checkpoint.safe import SafeFileSystemReader, TensorOnlyLoadPlanner, re
 from tenx.errors import CheckpointError, UnsafeCheckpointError
 from tenx.rundir import STEP_DIR as _STEP_DIR
 from tenx.rundir import step_dir_name
-from tenx.utils.io import atomic_write_json, file_xxhash, fsync_dir
+from tenx.utils.io import LOW_SPACE, atomic_write_json, file_xxhash, free_bytes, fsync_dir, storage_error
 
 # DCP warns that it saves/loads in a single process: that is intended here. Installed once rather than per
 # call with warnings.catch_warnings(), which swaps the process-wide filter list and is not thread-safe:
@@ -109,10 +110,20 @@ def save_checkpoint(
         if rank != 0:
             dist.barrier(group=process_group)
             return final
-    else:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
     try:
+        if not distributed:
+            dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
         _publish(root, final, tmp, step, meta, before_publish)
+    except BaseException as e:
+        # a failed save (a full disk, say) must not leave its partial files filling the disk (under
+        # several ranks only rank 0 gets here, after every rank's files are written). torch's writer
+        # does not always report a full disk as one ("unexpected pos"): look before freeing the space.
+        free = free_bytes(tmp)
+        full = storage_error(e) is None and free is not None and free < LOW_SPACE
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from e
+        raise
     finally:
         if distributed:
             dist.barrier(group=process_group)

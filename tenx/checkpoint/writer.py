@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from tenx.checkpoint.store import prune_checkpoints, save_checkpoint
+from tenx.checkpoint.store import list_checkpoints, prune_checkpoints, save_checkpoint
 from tenx.errors import CheckpointError
+from tenx.utils.io import describe_storage_problem
 
 
 def snapshot_tensors(tree: Any, into: Any = None) -> Any:
@@ -150,7 +151,7 @@ class AsyncCheckpointer:
                 future = self._executor.submit(self._write, step, snapshot, meta_copy, before_publish)
                 self._pending = (step, future)
         except Exception as e:
-            raise _save_failed(step, e) from e
+            raise _save_failed(step, e, self.root) from e
         self.last_blocking_s = time.perf_counter() - t0
         return self.last_blocking_s
 
@@ -162,7 +163,7 @@ class AsyncCheckpointer:
         step, future = pending
         error = future.exception()
         if error is not None:
-            raise _save_failed(step, error) from error
+            raise _save_failed(step, error, self.root) from error
 
     def poll(self) -> None:
         """Without blocking: raise the failure of the save in flight if it has failed."""
@@ -210,6 +211,22 @@ class AsyncCheckpointer:
         return path
 
 
-def _save_failed(step: int, error: BaseException) -> CheckpointError:
-    cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    return CheckpointError(f"saving checkpoint step {step} failed: {cause}")
+def _save_failed(step: int, error: BaseException, root: Path) -> CheckpointError:
+    problem = describe_storage_problem(error, root)
+    if problem is None:
+        cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        return CheckpointError(f"saving checkpoint step {step} failed: {cause}")
+    return CheckpointError(
+        f"saving checkpoint step {step} in {root} failed: {problem}. Its partial files were removed; "
+        f"{kept_checkpoints(root)}. Free space (or lower checkpoint.keep_last), then continue with "
+        "--resume auto"
+    )
+
+
+def kept_checkpoints(root: Path) -> str:
+    """'kept: checkpoints step 200, 400 (newest: PATH)' or 'no checkpoint of this run was kept'."""
+    published = list_checkpoints(root)
+    if not published:
+        return "no checkpoint of this run had been written yet"
+    steps = ", ".join(str(step) for step, _ in published)
+    return f"kept: checkpoint step {steps} (newest: {published[-1][1]})"

@@ -9,6 +9,7 @@ import torch
 
 from tenx import checkpoint as ckpt
 from tenx import rundir
+from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
 from tenx.parallel.distributed import dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.plan.hardware import pick_device
@@ -18,6 +19,7 @@ from tenx.train.callbacks.faults import build_injector
 from tenx.train.callbacks.metrics import MetricsLogger, Progress
 from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
+from tenx.utils.io import describe_storage_problem, ensure_writable
 
 
 def default_callbacks(
@@ -60,6 +62,7 @@ def train(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
         )
+    ensure_writable(run_dir, "run directory")
     env = dist_env()
     owns_group = init_distributed(env, rank_device(pick_device(cfg.train.device), env), cfg.parallel)
     finished = False
@@ -75,7 +78,17 @@ def train(
                     if path
                     else "tenx: no checkpoint yet; starting fresh"
                 )
-        metrics = trainer.fit()
+        try:
+            metrics = trainer.fit()
+        except OSError as e:
+            problem = describe_storage_problem(e, run_dir)
+            if problem is None:
+                raise
+            raise TenxError(
+                f"training {run_dir} stopped at step {trainer.step}: {problem}; "
+                f"{kept_checkpoints(run_dir / rundir.CHECKPOINTS)}. Free space, then continue with "
+                "--resume auto"
+            ) from e
         finished = True
     finally:
         if owns_group:
