@@ -228,6 +228,8 @@ LADDER_FLAGS = (
     "unique_tokens",
     "seeds",
     "eval_bytes",
+    "prepare_source",
+    "prepare_tokenizer",
 )
 """The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
 FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")

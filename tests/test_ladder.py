@@ -153,3 +153,29 @@ def test_emitted_torchrun_script_trains_and_collects(tiny_data, tmp_path):
     )  # trained by torchrun, only evaluated by the collect step
     meta = json.loads((lad / "runs" / row["name"] / "run.json").read_text())
     assert meta["data_parallel"] == 2
+
+
+def test_ladder_data_goes_to_the_cache_and_a_dry_run_prepares_nothing(
+    corpus_dir, tmp_path, monkeypatch, capsys
+):
+    """Unprepared data.dir: a dry run says what it would prepare and where; a real run prepares the source
+    once into $TENX_CACHE_DIR (never relative to the working directory) and later ladders reuse it."""
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("TENX_CACHE_DIR", str(cache))
+    args = ["ladder", "--config", "tiny", "--set", 'data.dir="runs/data/none"', "--set", "log.progress=false"]
+    args += ["--prepare-source", str(corpus_dir), "--budgets", "2e10", "--grid", "ratio", "--max-depth", "1"]
+    args += ["--eval-bytes", "10000"]
+    assert main([*args, "--out", str(tmp_path / "lad"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "a real run would prepare" in out and str(cache / "data") in out and "prepared nothing" in out
+    assert "base-C2.00e10-d1" in out
+    assert not cache.exists() and list(work.iterdir()) == [] and not (tmp_path / "lad").exists()
+
+    assert main([*args, "--out", str(tmp_path / "lad")]) == 0
+    assert "preparing" in capsys.readouterr().out
+    (prepared,) = (cache / "data").iterdir()
+    assert (prepared / "manifest.json").exists() and list(work.iterdir()) == []
+    assert main([*args, "--out", str(tmp_path / "lad2"), "--dry-run"]) == 0
+    assert f"prepared in {prepared}" in capsys.readouterr().out

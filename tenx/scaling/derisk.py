@@ -159,13 +159,18 @@ class Stage:
     runs: list[PlannedRun]
 
 
-def plan_derisk(dc: DeriskConfig) -> list[Stage]:
+def plan_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[Stage]:
     """The stack's configs and their runs; every config uses the baseline's depth at each budget."""
     dc.validate()
     lc = dataclasses.replace(dc.ladder, budgets=list(dc.budgets), seeds=1)
     overrides = list(dc.set)
     base = load_base(dc.base, overrides)
-    ensure_data(base, lc)
+    prepared = ensure_data(base, lc, dry_run=dry_run)
+    if prepared.data.dir != base.data.dir:  # every config of the stack reads the prepared cache
+        overrides.append(f"data.dir={json.dumps(prepared.data.dir)}")
+    if prepared.model.vocab_size != base.model.vocab_size:  # a dry run plans with the vocabulary to be
+        overrides.append(f"model.vocab_size={prepared.model.vocab_size}")
+    base = load_base(dc.base, overrides)
     depths = {r.budget: r.depth for r in plan_ladder(base, lc, "baseline")}
     stages = []
     for name, extra in [("baseline", []), *[(c.name, c.set) for c in dc.change]]:
@@ -423,7 +428,7 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
 def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     """Train every config of the stack at every budget (reusing runs already in OUT), analyse, report."""
     out = Path(out)
-    stages = plan_derisk(dc)
+    stages = plan_derisk(dc, dry_run=dry_run)
     if dry_run:
         for st in stages:
             print(f"{st.name}: {' '.join(st.overrides) or '(base config)'}")

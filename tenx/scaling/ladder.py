@@ -9,7 +9,9 @@ only evaluated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 import sys
 import time
@@ -31,7 +33,7 @@ from tenx.scaling.planner import (
     vocab_size_of,
 )
 from tenx.train.config import RunConfig, load_run_config
-from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash
+from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -56,20 +58,44 @@ __all__ = [
 
 
 # ----- data ------------------------------------------------------------------------------------------
-def ensure_data(base: RunConfig, lc: LadderConfig) -> None:
-    """Prepare data.dir from `ladder.prepare_source` when it holds no prepared data yet."""
-    from tenx.data.prepare import PrepareConfig, format_summary, prepare
+def ensure_data(base: RunConfig, lc: LadderConfig, *, dry_run: bool = False) -> RunConfig:
+    """`base` with a prepared data.dir: its own when that holds prepared data, else `ladder.prepare_source`
+    prepared once into the cache directory (tenx.utils.io.cache_dir) and reused by later ladders.
+
+    A dry run prepares nothing: it says what it would prepare and where, and plans with the vocabulary
+    that tokenizer will have.
+    """
+    from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
+    from tenx.data.tokenizer import ByteTokenizer
 
     if (Path(base.data.dir) / "manifest.json").exists():
-        return
+        return base
     if lc.prepare_source is None:
         raise TenxError(
             f"data.dir {base.data.dir} is not prepared; run `tenx data prepare --source ... --out "
             f"{base.data.dir}` first (or set ladder.prepare_source)"
         )
-    print(f"tenx: preparing {lc.prepare_source} into {base.data.dir} ({lc.prepare_tokenizer} tokenizer)")
-    prep = PrepareConfig(source=lc.prepare_source, out=base.data.dir, tokenizer=lc.prepare_tokenizer)
-    print(format_summary(prepare(prep, progress=False), Path(base.data.dir)))
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", lc.prepare_source).strip("_") or "source"
+    target = cache_dir() / "data" / f"{slug}-{lc.prepare_tokenizer}"
+    prep = PrepareConfig(source=lc.prepare_source, out=str(target), tokenizer=lc.prepare_tokenizer)
+    data = dataclasses.replace(base.data, dir=str(target))
+    if is_prepared(prep):
+        print(
+            f"tenx: data.dir {base.data.dir} is not prepared; using {lc.prepare_source} prepared in {target}"
+        )
+        return dataclasses.replace(base, data=data)
+    if dry_run:
+        print(
+            f"tenx: data.dir {base.data.dir} is not prepared: a real run would prepare {lc.prepare_source} "
+            f"({lc.prepare_tokenizer} tokenizer) into {target} (the cache directory: $TENX_CACHE_DIR); "
+            "this dry run prepared nothing"
+        )
+        vocab = ByteTokenizer.vocab_size if lc.prepare_tokenizer == "bytes" else prep.vocab_size
+        model = dataclasses.replace(base.model, vocab_size=base.model.vocab_size or vocab)
+        return dataclasses.replace(base, data=data, model=model)
+    print(f"tenx: preparing {lc.prepare_source} into {target} ({lc.prepare_tokenizer} tokenizer)")
+    print(format_summary(prepare(prep, progress=False), target))
+    return dataclasses.replace(base, data=data)
 
 
 # ----- results table ---------------------------------------------------------------------------------
@@ -265,8 +291,13 @@ def estimate_seconds(plan: list[PlannedRun], lc: LadderConfig) -> dict[str, floa
 
 
 def _bytes_per_token(cfg: RunConfig) -> float:
+    """From the data's manifest; before the data is prepared (a dry run), 1 for bytes (a vocabulary of
+    257) and a typical 3 for a BPE vocabulary."""
     from tenx.data.manifest import read_manifest
+    from tenx.data.tokenizer import ByteTokenizer
 
+    if not (Path(cfg.data.dir) / "manifest.json").exists():
+        return 1.0 if cfg.model.vocab_size == ByteTokenizer.vocab_size else 3.0
     split = read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]
     return max(1e-9, split["bytes"] / max(1, split["tokens"]))
 
@@ -297,7 +328,7 @@ def run_ladder(
     Returns the results rows of the plan's runs (empty for a dry run or when emitting).
     """
     lc.validate()
-    ensure_data(base, lc)
+    base = ensure_data(base, lc, dry_run=dry_run)
     plan = plan_ladder(base, lc, tag)
     out = Path(out)
     if dry_run:

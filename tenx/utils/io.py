@@ -173,3 +173,13 @@ def ensure_writable(directory: str | os.PathLike[str], what: str) -> None:
             f"cannot write the {what} {directory}: {problem} ({e.filename or directory}); nothing was "
             f"written: choose a directory on a writable file system with free space"
         ) from e
+
+
+def cache_dir() -> Path:
+    """Where tenx keeps data it prepares on its own (the ladder's corpus): $TENX_CACHE_DIR, else
+    $XDG_CACHE_HOME/tenx, else ~/.cache/tenx. Never a path relative to the working directory."""
+    explicit = os.environ.get("TENX_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser().absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base).absolute() / "tenx"
