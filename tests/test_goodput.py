@@ -124,12 +124,15 @@ def test_restart_that_dies_again_before_catching_up(tmp_path):
             c.step(i, 1.0, at=14.0 + i)
         c.end(30, at=44.0)
     r = compute_goodput(tmp_path)
-    assert r["wall_s"] == pytest.approx(44.0)
+    # three separate commands: the second after the first crashed, the third after the second crashed;
+    # the idle seconds between them (26 -> 27 and 32 -> 33) belong to no command
+    assert r["jobs"] == 3 and r["idle_s"] == pytest.approx(2.0)
+    assert r["wall_s"] == pytest.approx(44.0 - 2.0)
     assert r["productive_s"] == pytest.approx(30.0)
     assert r["recompute_s"] == pytest.approx(7.0) and r["recomputed_steps"] == 7
-    assert r["restart_s"] == pytest.approx((30.0 - 26.0) + (35.0 - 32.0))
+    assert r["restart_s"] == pytest.approx((30.0 - 27.0) + (35.0 - 33.0))  # each one's own start-up
     assert r["restarts"] == 2
-    assert r["mean_recovery_s"] == pytest.approx(((4.0 + 5.0) + (3.0 + 2.0)) / 2)
+    assert r["mean_recovery_s"] == pytest.approx(((3.0 + 5.0) + (2.0 + 2.0)) / 2)
     assert r["attempts"][1]["attempt"] is None and r["attempts"][1]["returncode"] is None
 
 
@@ -175,7 +178,9 @@ def test_torn_last_line_is_ignored_and_the_next_writer_starts_a_new_line(tmp_pat
         ledger.start(10, process_start=114.0, at=115.0)
     r = compute_goodput(tmp_path)
     assert r["records"] == expected["records"] + 1
-    assert r["restarts"] == 1 and r["restart_s"] == pytest.approx(2.0)  # A's end 113 -> B's start 115
+    # B continues a finished run in a command of its own: its start-up, not a restart; 113 -> 114 is idle
+    assert r["restarts"] == 0 and r["startup_s"] == pytest.approx(2.0 + 1.0)
+    assert r["idle_s"] == pytest.approx(1.0) and r["wall_s"] == pytest.approx(13.0 + 1.0)
     assert r["finished"] is False  # the newest process has not ended
 
 
@@ -187,9 +192,42 @@ def test_lost_start_record_still_counts_the_process(tmp_path):
     with Ledger(tmp_path, pid=B) as ledger:
         ledger.step(11, 1.0, at=120.0)
     r = compute_goodput(tmp_path)
-    assert r["restarts"] == 1 and r["steps"] == 11
+    assert r["steps"] == 11 and r["jobs"] == 2
     assert r["productive_s"] == pytest.approx(11.0)
-    assert r["restart_s"] == pytest.approx(120.0 - 113.0)
+    assert r["idle_s"] == pytest.approx(120.0 - 113.0)  # B's start (and its time) are unknown
+
+
+def test_idle_time_between_separate_commands_is_not_counted(tmp_path):
+    """A finished run, resumed by hand a day later for 10 more steps: goodput stays what the two commands
+    achieved (it fell from 49% to 1% when the gap counted as restart time)."""
+    clean_run(tmp_path)  # 100 -> 113
+    day = 86400.0
+    with Ledger(tmp_path, pid=B) as b:
+        b.start(10, process_start=113.0 + day, at=115.0 + day)
+        for i in range(11, 21):
+            b.step(i, 1.0, at=115.0 + day + i - 10)
+        b.end(20, at=126.0 + day)
+    r = compute_goodput(tmp_path)
+    assert r["jobs"] == 2 and r["idle_s"] == pytest.approx(day)
+    assert r["wall_s"] == pytest.approx(13.0 + 13.0)
+    assert r["productive_s"] == pytest.approx(20.0) and r["goodput"] == pytest.approx(20.0 / 26.0)
+    assert r["restarts"] == 0 and r["restart_s"] == 0.0 and r["startup_s"] == pytest.approx(2.0 + 2.0)
+
+    # two supervised commands: restarts inside each count, the night between them does not
+    run = tmp_path / "supervised"
+    restarted_run(run)  # supervisor 1: 0 -> 44, one restart
+    later = Ledger(run, pid=SUPERVISOR + 100)
+    c = Ledger(run, pid=12)
+    later.launch(0, at=44.0 + day)
+    c.start(30, process_start=44.5 + day, at=46.0 + day)
+    c.end(30, at=47.0 + day)
+    later.exit(0, 0, "finished", at=47.5 + day)
+    later.close(), c.close()
+    r = compute_goodput(run)
+    assert r["jobs"] == 2 and r["idle_s"] == pytest.approx(day)
+    assert r["wall_s"] == pytest.approx(44.0 + 3.5)
+    assert r["restarts"] == 1 and r["restart_s"] == pytest.approx(6.0)
+    assert r["startup_s"] == pytest.approx(2.0 + 2.0)
 
 
 @pytest.mark.parametrize("content", [None, "", "\n", "not json\n"])

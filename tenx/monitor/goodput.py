@@ -9,13 +9,19 @@ fsynced: a process killed mid-write leaves at most a torn last line, which the r
 at step S (a restart) or a `rollback` to step S throws away every step after S recorded so far: their
 time moves from productive to recompute. What is left at the end is the run's real history:
 
-    wall_s       first launch (else the earliest process start) -> latest record
+    wall_s       the time inside jobs: each job from its first launch (or its process's start) to its
+                 latest record. A job is one command: a supervisor with every child it launched, or one
+                 unsupervised process. The idle time between two commands (a manual `--resume auto`
+                 hours after the last one ended) is no one's loss: it is reported as idle_s, outside wall_s
     productive_s step seconds of the final history's steps whose update was applied
     skipped_s    step seconds of the final history's steps the numerics guard skipped
     recompute_s  step seconds of steps thrown away by a restart or rollback
     checkpoint_s time the loop was blocked by checkpoint saves
-    startup_s    the first process: wall start -> its `start` record
-    restart_s    each later process: the previous process's last record -> its `start` record
+    startup_s    the first process of each job that continues a finished (or no) earlier process: its
+                 job's start -> its `start` record
+    restart_s    a process relaunched within its job: the previous process's last record -> its `start`
+                 record; the first process of a job that continues a process that did not finish (a
+                 crash, then a manual resume): its own start -> its `start` record
     other_s      wall_s minus all of the above (evaluation, logging, a step cut off by a kill)
     goodput      productive_s / wall_s
 """
@@ -162,6 +168,7 @@ class _Process:
     recompute_s: float = 0.0
     attempt: int | None = None
     launch_time: float | None = None
+    supervisor: Any = None
     returncode: int | None = None
     reason: str | None = None
 
@@ -185,6 +192,8 @@ def _empty_report() -> dict[str, Any]:
         "recomputed_steps": 0,
         "finished": False,
         "mean_recovery_s": None,
+        "idle_s": 0.0,
+        "jobs": 0,
         "launches": 0,
         "attempts": [],
         "exits": [],
@@ -223,8 +232,6 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
 
     def new_process(pid: Any, step: int | None, t: float, process_start: float | None, kind: str) -> _Process:
         proc = _Process(pid, step, t, process_start, t, step, kind)
-        if processes:
-            proc.restart_s = max(0.0, t - processes[-1].last_time)
         processes.append(proc)
         by_pid[pid] = proc
         return proc
@@ -261,16 +268,22 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
                 recompute_s += throw_away(floor)
 
     _match_supervisor(processes, launches, exits)
-    times = [float(r["time"]) for r in records]
-    begin = min(
-        [float(r["time"]) for r in launches]
-        + [p.process_start for p in processes if p.launch_time is None and p.process_start is not None]
-        + times
-    )
-    wall_s = max(times) - begin
-    first = processes[0] if processes else None
-    startup_s = first.start_time - begin if first is not None and first.start_step is not None else 0.0
-    restarted = processes[1:]
+    jobs = _jobs(processes, records)
+    startup_s, restarted = 0.0, []
+    for i, proc in enumerate(processes):
+        previous = processes[i - 1] if i else None
+        job_begin = jobs[_job_of(proc)][0]
+        if previous is not None and _job_of(previous) == _job_of(proc):  # relaunched within its job
+            proc.restart_s = max(0.0, proc.start_time - previous.last_time)
+            restarted.append(proc)
+        elif previous is not None and previous.last_kind != "end":  # a manual resume after a crash
+            proc.restart_s = max(0.0, proc.start_time - max(job_begin, previous.last_time))
+            restarted.append(proc)
+        elif proc.start_step is not None:
+            startup_s += proc.start_time - job_begin
+    spans = sorted(jobs.values())
+    wall_s = sum(end - begin for begin, end in spans)
+    idle_s = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
     restart_s = sum((p.restart_s for p in restarted), 0.0)
     productive_s = sum((seconds for _, seconds, skipped in history if not skipped), 0.0)
     skipped_s = sum((seconds for _, seconds, skipped in history if skipped), 0.0)
@@ -295,11 +308,47 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
         mean_recovery_s=(
             sum(p.restart_s + p.recompute_s for p in restarted) / len(restarted) if restarted else None
         ),
+        idle_s=idle_s,
+        jobs=len(jobs),
         launches=len(launches),
         attempts=[_attempt(p) for p in processes],
         exits=[{k: rec.get(k) for k in ("attempt", "returncode", "reason", "time")} for rec in exits],
     )
     return report
+
+
+def _job_of(proc: _Process) -> tuple[str, Any]:
+    return ("supervisor", proc.supervisor) if proc.supervisor is not None else ("process", id(proc))
+
+
+def _jobs(processes: list[_Process], records: list[dict[str, Any]]) -> dict[tuple[str, Any], list[float]]:
+    """Each job's [begin, end]: a supervisor's first launch -> its last record or its children's; an
+    unsupervised process's OS start -> its last record. Overlapping jobs are merged into one span."""
+    spans: dict[tuple[str, Any], list[float]] = {}
+
+    def cover(job: tuple[str, Any], begin: float, end: float) -> None:
+        span = spans.setdefault(job, [begin, end])
+        span[0], span[1] = min(span[0], begin), max(span[1], end)
+
+    for rec in records:
+        if rec["kind"] in ("launch", "exit"):
+            cover(("supervisor", rec.get("pid")), float(rec["time"]), float(rec["time"]))
+    for proc in processes:
+        begin = proc.start_time
+        if proc.supervisor is None and proc.process_start is not None:
+            begin = min(begin, proc.process_start)
+        cover(_job_of(proc), begin, proc.last_time)
+    merged: dict[tuple[str, Any], list[float]] = {}
+    for job, span in sorted(spans.items(), key=lambda item: item[1][0]):
+        last = next(reversed(merged.values()), None) if merged else None
+        if last is not None and span[0] < last[1]:  # jobs that overlap in time: one span
+            last[1] = max(last[1], span[1])
+        else:
+            merged[job] = list(span)
+    for job in spans:  # every job still names a span (the merged one it fell into)
+        if job not in merged:
+            merged[job] = next(s for s in merged.values() if s[0] <= spans[job][0] <= s[1])
+    return merged
 
 
 def _match_supervisor(
@@ -314,7 +363,7 @@ def _match_supervisor(
         )
         if proc is None:  # the child died before it started training
             continue
-        proc.attempt, proc.launch_time = launch.get("attempt"), opened
+        proc.attempt, proc.launch_time, proc.supervisor = launch.get("attempt"), opened, launch.get("pid")
         for rec in exits:
             if rec.get("attempt") == proc.attempt and opened <= float(rec["time"]) < closes:
                 proc.returncode, proc.reason = rec.get("returncode"), rec.get("reason")
@@ -368,6 +417,10 @@ def format_goodput(report: dict[str, Any]) -> str:
         f"  restarts {report['restarts']} | rollbacks {report['rollbacks']} | mean recovery per restart "
         + (f"{recovery:,.1f} s" if recovery is not None else "-")
     )
+    if report.get("jobs", 0) > 1:
+        lines.append(
+            f"  {report['jobs']} separate commands; {report['idle_s']:,.1f} s between them not counted"
+        )
     return "\n".join(lines)
 
 
