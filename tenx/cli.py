@@ -64,6 +64,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from tenx.train.run import train
 
     trainer, metrics = train(cfg, run_dir, resume=args.resume)
+    if trainer.rank != 0:  # under torchrun the summary is the run's, printed once
+        return
     if metrics:
         print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
     else:

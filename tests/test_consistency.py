@@ -401,3 +401,4 @@ def test_torchrun_ddp_detects_a_bitflip_and_names_the_rank(tiny_data, tmp_path):
     found = [(e["step"], e["check"], e["ranks"]) for e in _mismatches(run_dir)]
     assert found == [(7, "self", [1]), (10, "parameters", [1])]
     assert "rank 1" in out.stdout
+    assert out.stdout.count("goodput ") == 1 and out.stdout.count("run directory: ") == 1  # rank 0 only

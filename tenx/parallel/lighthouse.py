@@ -53,6 +53,9 @@ def start_lighthouse(bind: str, **options: int) -> tuple[Any, str]:
 
     `options` are LighthouseConfig's fields (min_groups=2, ...); the others keep their defaults.
     """
+    from tenx.parallel.torchft_glue import quiet_torchft
+
+    quiet_torchft()
     from torchft._torchft import LighthouseServer
 
     host, _ = parse_bind(bind)

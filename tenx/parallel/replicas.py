@@ -43,6 +43,7 @@ from tenx.parallel.torchft_glue import (
     _gloo_on_host,
     _manager_server_on,
     _quiet_refusals,
+    quiet_torchft,
     store_on_host,
 )
 from tenx.utils.tensors import local_tensor
@@ -212,6 +213,7 @@ class Replicas:
         load_state_dict: Callable[[dict], None],
     ) -> None:
         """Start the manager (and DiLoCo); a DiLoCo group joins its peers here, healing from one if behind."""
+        quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

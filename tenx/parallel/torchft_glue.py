@@ -69,13 +69,24 @@ def _gloo_on_host(pg: Any, store: Any, rank: int, world_size: int, host: str) ->
     return base
 
 
+def quiet_torchft() -> None:
+    """torchft's Rust manager and lighthouse log every quorum and commit at INFO (dozens of lines a
+    second between the progress lines): default them to warnings unless the user set RUST_LOG. Called
+    before torchft's first server starts, which is when its logger reads the variable."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 class _RefusalWithoutTraceback(logging.Filter):
-    """torchft logs a refused peer state with a traceback; tenx reports it as one clear line instead."""
+    """torchft logs a refused peer state with a traceback; tenx reports it as one clear line instead.
+    Without CUDA it also drops torchft's warning that NCCL's flight recorder cannot be reset (there is
+    no NCCL to record)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], PeerStateError):
             record.exc_info = None
             record.exc_text = None
+        if "NCCL flight recorder" in record.getMessage() and not torch.cuda.is_available():
+            return False
         return True
 
 
