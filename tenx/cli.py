@@ -240,11 +240,31 @@ LIGHTHOUSE_FLAGS = ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbea
 """The LighthouseConfig fields `tenx lighthouse` takes as flags."""
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or there is none
+    (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, [], "", argparse.SUPPRESS)
+            and "default" not in text.lower()
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
     """A parser whose arguments may be added when it is first used (`defer`), so that building the whole
     CLI imports no component: `tenx status` does not import torch for the flags of `tenx ladder`."""
 
     _deferred: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def defer(self, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
         self._deferred = add_arguments
@@ -490,15 +510,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)"
     )
     ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
-    ep.add_argument("--batch-size", type=int, default=8)
-    ep.add_argument("--device", default="auto")
+    ep.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    ep.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+    )
     ep.add_argument(
         "--stride",
         type=int,
         default=None,
         help="tokens each scoring window moves (default seq_len: no overlap; smaller gives more context)",
     )
-    ep.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    ep.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="auto: bf16 where this device runs it fast (measured on CPUs), else fp32",
+    )
     ep.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("sample", help="print a continuation of a prompt")
@@ -509,8 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.8, help="sampling temperature, >= 0; 0 is greedy (default 0.8)"
     )
     sp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--device", default="auto")
+    sp.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    sp.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+    )
     sp.set_defaults(func=cmd_sample)
 
     _command(sub, "ladder", "plan and run a scaling ladder from FLOP budgets", cmd_ladder, _ladder_arguments)

@@ -200,3 +200,33 @@ def test_eval_shows_progress_on_a_terminal(tiny_data, tiny_config, tmp_path):
     assert proc.wait(timeout=120) == 0
     os.close(main_fd)
     assert b"eval:" in seen and b"batch" in seen
+
+
+def _parsers(parser, path=("tenx",)):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_option_has_help_and_shows_its_default():
+    import argparse
+
+    lacking = []
+    for path, parser in _parsers(build_parser()):
+        parser.format_help()  # adds a subcommand's deferred flags
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                lacking.append(f"{' '.join(path)} {action.option_strings or action.dest}: no help")
+            elif action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
+                if "default" not in formatter._get_help_string(action).lower():
+                    lacking.append(f"{' '.join(path)} {action.option_strings}: default not shown")
+    assert not lacking, "\n".join(lacking)
+    eval_help = next(p for path, p in _parsers(build_parser()) if path == ("tenx", "eval")).format_help()
+    assert "(default: 8)" in eval_help and "sequences per forward pass" in eval_help

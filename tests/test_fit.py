@@ -232,6 +232,9 @@ def test_read_table_errors_name_file_line_and_column(tmp_path):
         read_table(bad)
     with pytest.raises(DataError, match=r"line 2: column 'loss' is missing"):
         read_table(bad, loss_column="loss")
+    rows[1]["heldout_loss"] = ""  # a blank cell is not a missing column
+    with pytest.raises(DataError, match=r"blank\.csv: line 3: the 'heldout_loss' cell is empty; fill it in"):
+        read_table(write_csv(tmp_path / "blank.csv", rows))
     rows[1]["heldout_loss"] = 0
     with pytest.raises(DataError, match=r"line 3: column 'heldout_loss' must be positive"):
         read_table(write_csv(tmp_path / "zero.csv", rows))

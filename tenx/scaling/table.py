@@ -205,10 +205,15 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 def _positive(path: Path, line: int, row: dict[str, Any], column: str) -> float:
     """The row's value in `column` as a positive finite float; DataError naming file, line and column."""
-    if column not in row or row[column] in (None, ""):
+    if column not in row:
         raise DataError(
             f"{path}: line {line}: column {column!r} is missing; add it or choose another column "
             f"(columns of this row: {', '.join(sorted(row))})"
+        )
+    if row[column] in (None, ""):
+        raise DataError(
+            f"{path}: line {line}: the {column!r} cell is empty; fill it in or leave the row out "
+            "(--filter keeps only matching rows)"
         )
     value = _as_number(row[column])
     if value is None or not math.isfinite(value):
