@@ -131,7 +131,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from tenx.quickstart import quickstart
 
-    quickstart(args.out, steps=args.steps)
+    quickstart(args.out, steps=args.steps, minutes=args.minutes)
 
 
 def cmd_ladder(args: argparse.Namespace) -> None:
@@ -548,7 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
     qp.add_argument("--out", default="runs/quickstart", help="output directory")
-    qp.add_argument("--steps", type=int, default=None, help="override the quickstart config's steps")
+    qp.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="wall-time budget: the step count is fitted to it from a measured training speed",
+    )
+    qp.add_argument(
+        "--steps", type=int, default=None, help="train exactly this many steps instead of fitting the budget"
+    )
     qp.set_defaults(func=cmd_quickstart)
     return p
 

@@ -3,40 +3,62 @@
 prepare stdlib (BPE 4096) -> train configs/quickstart.toml on this machine -> bits per byte on the
 held-out documents beside xz -9e on exactly the same bytes. Re-running reuses prepared data and a
 finished run; an interrupted run resumes from its newest verified checkpoint.
+
+The run fits a wall-clock budget (10 minutes by default) on any CPU: a few timed steps measure this
+machine's training speed (bf16 where the CPU has native bf16, else fp32, ~3x slower), and the step count
+is what the time left after preparation, evaluation and xz allows, capped by the config's steps. The
+plan is kept in OUT/plan.json so that a resumed quickstart trains the same schedule.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tenx import checkpoint as ckpt
 from tenx import rundir
 from tenx.data.manifest import read_manifest, split_documents_text
 from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
+from tenx.errors import ConfigError
 from tenx.eval.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.eval.run import evaluate
 from tenx.monitor.plots import plot_loss_curve
+from tenx.plan.hardware import cpu_name, pick_device, resolve_precision
+from tenx.scaling.ladder import measure_tokens_per_s
 from tenx.train.config import load_run_config, resolve_config_path
 from tenx.train.run import train
 from tenx.utils.io import atomic_write_json
+
+_RESERVE_S = 30.0  # xz -9e on the held-out bytes, the loss plot, the trainer's start-up
+_LOOP_EFFICIENCY = 0.9  # steps took 99% of a quickstart run's loop; the rest covers a probe that ran fast
+_MIN_STEPS = 100
 
 
 def quickstart(
     out: str | Path = "runs/quickstart",
     steps: int | None = None,
     *,
+    minutes: float = 10.0,
     source: str = "stdlib",
     tokenizer: str = "bpe",
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the quickstart into `out`; returns (and writes) summary.json.
+    """Run the quickstart into `out` within about `minutes` of wall time; returns (and writes)
+    summary.json. `steps` fixes the step count instead of fitting it to the budget.
 
     `source`, `tokenizer` and config `overrides` exist for tests and experiments; the defaults are the
     README's main job.
     """
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError(f"--minutes must be a finite number > 0, got {minutes}")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
     t0 = time.perf_counter()
     out = Path(out)
     data_dir, run_dir = out / "data", out / "run"
@@ -48,14 +70,15 @@ def quickstart(
         print(f"[1/4] preparing the corpus '{source}' (tokenizer, shards, manifest)")
         print(format_summary(prepare(prep), data_dir))
 
-    settings = [f'data.dir="{data_dir}"', *(overrides or [])] + ([f"train.steps={steps}"] if steps else [])
-    cfg = load_run_config(resolve_config_path("quickstart"), settings)
+    settings = [f'data.dir="{data_dir}"', *(overrides or [])]
     existing = ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS)
+    plan = _plan(out, data_dir, settings, steps, minutes, time.perf_counter() - t0, bool(existing))
+    cfg = load_run_config(resolve_config_path("quickstart"), settings + plan["settings"])
     latest, _ = ckpt.latest_verified(run_dir / rundir.CHECKPOINTS)
     if latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= (cfg.train.steps or 0):
         print(f"[2/4] reusing finished run in {run_dir}")
     else:
-        print(f"[2/4] training configs/quickstart.toml into {run_dir}")
+        print(f"[2/4] training configs/quickstart.toml for {cfg.train.steps} steps into {run_dir}")
         train(cfg, run_dir, resume="auto" if existing else None)
 
     print("[3/4] evaluating on the held-out split")
@@ -79,6 +102,11 @@ def quickstart(
         "heldout_documents": manifest["splits"]["heldout"]["num_documents"],
         "beats_xz": heldout["bits_per_byte"] < xz_bpb,
         "wall_seconds": time.perf_counter() - t0,
+        "budget_minutes": plan.get("minutes"),
+        "steps": cfg.train.steps,
+        "probe_tokens_per_s": plan.get("tokens_per_s"),
+        "precision": plan.get("precision"),
+        "cpu": cpu_name(),
         "run_dir": str(run_dir),
         "metrics": str(run_dir / rundir.METRICS),
         "loss_curve": str(curve),
@@ -91,6 +119,69 @@ def quickstart(
         f"concatenated files, {xz_doc_bpb:.4f} file by file\n"
         f"({heldout['bytes']:,} bytes in {summary['heldout_documents']} documents never trained on)\n"
         f"run directory: {run_dir}\nmetrics: {summary['metrics']}\nloss curve: {curve}\n"
-        f"summary: {out / 'summary.json'}  ({summary['wall_seconds']:.0f} s)"
+        f"summary: {out / 'summary.json'}\n"
+        f"wall time: {summary['wall_seconds']:.0f} s ({summary['wall_seconds'] / 60:.1f} min) on {cpu_name()}"
     )
     return summary
+
+
+def _plan(
+    out: Path,
+    data_dir: Path,
+    settings: list[str],
+    steps: int | None,
+    minutes: float,
+    spent_s: float,
+    resuming: bool,
+) -> dict[str, Any]:
+    """The schedule: config settings (steps, warmup, eval and checkpoint intervals) and how they were
+    chosen. A resumed run keeps the plan it started with (OUT/plan.json)."""
+    path = out / "plan.json"
+    if resuming and path.is_file():
+        try:
+            kept = json.loads(path.read_text())
+            if isinstance(kept.get("settings"), list) and all(isinstance(x, str) for x in kept["settings"]):
+                return kept
+        except (OSError, ValueError):
+            pass
+    if steps is not None:
+        plan: dict[str, Any] = {"settings": [f"train.steps={steps}"], "steps": steps}
+        atomic_write_json(path, plan)
+        return plan
+    cfg = load_run_config(resolve_config_path("quickstart"), settings)
+    device = pick_device(cfg.train.device)
+    precision = "bf16" if resolve_precision(cfg.train.precision, device) == torch.bfloat16 else "fp32"
+    print(f"[2/4] measuring this machine's training speed ({cpu_name()}, {precision} matmuls)")
+    tokens_per_s = measure_tokens_per_s(cfg, cfg.train.micro_batch, steps=4)
+    manifest = read_manifest(data_dir)
+    heldout_tokens = int(manifest["splits"]["heldout"]["tokens"])
+    # evaluation is forward-only (about 3x a training step per token); xz -9e, the plot and start-up
+    reserve_s = heldout_tokens / (3 * tokens_per_s) + _RESERVE_S
+    train_s = minutes * 60 - spent_s - reserve_s
+    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
+    # the loop's own work (validation, checkpoints, logging) takes about this share of a run's steps
+    fitted = int(_LOOP_EFFICIENCY * train_s * tokens_per_s / tokens_per_step)
+    cap = cfg.train.steps or fitted
+    chosen = max(_MIN_STEPS, min(cap, fitted))
+    every = max(1, chosen // 5)
+    plan = {
+        "settings": [
+            f"train.steps={chosen}",
+            f"optim.warmup_steps={min(cfg.optim.warmup_steps, max(1, chosen // 10))}",
+            f"train.eval_every={every}",
+            f"checkpoint.every={every}",
+        ],
+        "steps": chosen,
+        "minutes": minutes,
+        "tokens_per_s": tokens_per_s,
+        "precision": precision,
+        "cpu": cpu_name(),
+        "train_seconds_planned": chosen * tokens_per_step / tokens_per_s,
+    }
+    atomic_write_json(path, plan)
+    limit = "the config's" if chosen == cap and fitted > cap else "what the budget allows"
+    print(
+        f"      {tokens_per_s:,.0f} tokens/s: training {chosen} steps ({limit}), about "
+        f"{plan['train_seconds_planned'] / 60:.1f} min of a {minutes:g}-minute budget"
+    )
+    return plan

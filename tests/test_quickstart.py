@@ -53,3 +53,47 @@ def test_full_quickstart_beats_xz(tmp_path):
     assert main(["quickstart", "--out", str(tmp_path / "qs")]) == 0
     summary = json.loads((tmp_path / "qs" / "summary.json").read_text())
     assert summary["heldout_bits_per_byte"] < summary["xz_bits_per_byte"]
+
+
+def test_quickstart_fits_its_steps_to_the_time_budget(corpus_dir, tmp_path, capsys, monkeypatch):
+    """The step count comes from a measured training speed and the minutes left; a resumed quickstart
+    keeps the plan it started with."""
+    import tenx.quickstart as qs
+
+    speeds = []
+
+    def measure(cfg, micro_batch, steps=3):
+        speeds.append((cfg.model.depth, micro_batch))
+        return 2000.0  # tokens/s, as if this were a slow CPU
+
+    monkeypatch.setattr(qs, "measure_tokens_per_s", measure)
+    overrides = ["model.depth=1", "model.seq_len=64", "train.micro_batch=4", "log.progress=false"]
+    overrides += ["log.tensorboard=false", "train.precision=fp32"]
+    out = tmp_path / "qs"
+    summary = quickstart(out, minutes=1.0, source=str(corpus_dir), tokenizer="bytes", overrides=overrides)
+    plan = json.loads((out / "plan.json").read_text())
+    heldout = json.loads((out / "data" / "manifest.json").read_text())["splits"]["heldout"]["tokens"]
+    spent = plan["train_seconds_planned"]  # what the budget left for training, at 2000 tokens/s
+    # before the seconds preparation took (a fraction of one here)
+    expected = int(qs._LOOP_EFFICIENCY * (60 - heldout / 6000 - qs._RESERVE_S) * 2000 / 256)
+    assert speeds == [(1, 4)] and plan["tokens_per_s"] == 2000.0
+    assert 0.9 * expected <= plan["steps"] <= expected, (plan, expected)
+    assert summary["steps"] == plan["steps"] and spent == plan["steps"] * 256 / 2000
+    assert (
+        f"train.steps={plan['steps']}" in plan["settings"]
+        and f"train.eval_every={plan['steps'] // 5}" in plan["settings"]
+    )
+    printed = capsys.readouterr().out
+    assert f"training {plan['steps']} steps (what the budget allows)" in printed
+    assert "wall time:" in printed and summary["budget_minutes"] == 1.0
+
+    # a run interrupted half way resumes with the same plan, whatever the machine measures now
+    monkeypatch.setattr(qs, "measure_tokens_per_s", lambda *a, **k: 1e9)
+    again = quickstart(out, minutes=1.0, source=str(corpus_dir), tokenizer="bytes", overrides=overrides)
+    assert again["steps"] == plan["steps"] and "reusing finished run" in capsys.readouterr().out
+
+
+def test_quickstart_refuses_a_senseless_budget(tmp_path, capsys):
+    assert main(["quickstart", "--out", str(tmp_path / "qs"), "--minutes", "nan"]) == 2
+    assert "--minutes must be a finite number > 0" in capsys.readouterr().err
+    assert not (tmp_path / "qs").exists()

@@ -39,8 +39,21 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+# oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) below the first with bf16 dot products
+_ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls pay off."""
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls pay off.
+
+    Without them (most laptops: AVX2 only) a bf16 matmul is emulated, about 100x slower than fp32. A cap
+    on the instruction sets PyTorch may use (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY=avx2 or lower) is
+    honoured: it makes an AVX-512 machine behave, and time, like an AVX2 one.
+    """
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if isa in _ONEDNN_WITHOUT_BF16 or aten in ("default", "avx2"):
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
