@@ -1,6 +1,6 @@
 """The `tenx` command: a thin layer over the Python API. Errors print one clear line and exit 2.
 
-Every argparse parser lives here. Flags that mirror a config dataclass (`tenx data prepare`, `ladder`,
+Every argparse parser lives here (the parser classes in tenx/cli_parsing.py). Flags that mirror a config dataclass (`tenx data prepare`, `ladder`,
 `derisk`, `fit`, `lighthouse`) are generated from its fields (tenx.config.add_config_arguments), so their
 defaults, help and choices are written once, in the dataclass.
 """
@@ -11,10 +11,10 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tenx.cli_parsing import Parser, add_set, command
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
 from tenx.rundir import RunDir
@@ -126,6 +126,13 @@ def cmd_sample(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     print(args.prompt + tokenizer.decode(new))
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from tenx.eval.export import export_hf, format_summary
+
+    summary = export_hf(args.target, args.out, checkpoint=args.checkpoint)
+    print(format_summary(summary))
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -240,76 +247,6 @@ LIGHTHOUSE_FLAGS = ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbea
 """The LighthouseConfig fields `tenx lighthouse` takes as flags."""
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already says it or there is none
-    (None, False, an empty list)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (
-            action.option_strings
-            and default not in (None, False, [], "", argparse.SUPPRESS)
-            and "default" not in text.lower()
-        ):
-            text += " (default: %(default)s)"
-        return text
-
-
-class _Parser(argparse.ArgumentParser):
-    """A parser whose arguments may be added when it is first used (`defer`), so that building the whole
-    CLI imports no component: `tenx status` does not import torch for the flags of `tenx ladder`."""
-
-    _deferred: Callable[[argparse.ArgumentParser], None] | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _DefaultsFormatter)
-        super().__init__(*args, **kwargs)
-
-    def defer(self, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
-        self._deferred = add_arguments
-
-    def _complete(self) -> None:
-        if self._deferred is not None:
-            add_arguments, self._deferred = self._deferred, None
-            add_arguments(self)
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        self._complete()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self) -> str:
-        self._complete()
-        return super().format_usage()
-
-    def format_help(self) -> str:
-        self._complete()
-        return super().format_help()
-
-
-def _command(
-    subparsers: Any,
-    name: str,
-    help: str,
-    func: Callable[[argparse.Namespace], None],
-    add_arguments: Callable[[argparse.ArgumentParser], None],
-) -> argparse.ArgumentParser:
-    """Register subcommand `name` running `func`; `add_arguments(parser)` adds its flags when it is first
-    used (at once on a plain argparse parser)."""
-    parser = subparsers.add_parser(name, help=help)
-    parser.set_defaults(func=func)
-    if isinstance(parser, _Parser):
-        parser.defer(add_arguments)
-    else:
-        add_arguments(parser)
-    return parser
-
-
-def _add_set(parser: argparse.ArgumentParser, help: str) -> None:
-    """The repeatable `--set SECTION.KEY=VALUE` override."""
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
-
-
 def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
     from tenx.data.prepare import PrepareConfig
 
@@ -321,7 +258,7 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
     from tenx.scaling.planner import LadderConfig
 
     lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
-    _add_set(lp, "override the base config")
+    add_set(lp, "override the base config")
     lp.add_argument(
         "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 30x CPU ladder)"
     )
@@ -343,7 +280,7 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
         help="a derisk TOML file (e.g. configs/derisk/gpt2_to_llama.toml); the flags below override its values",
     )
     add_config_arguments(rp, DeriskConfig, ["base"], overrides=True)
-    _add_set(rp, "override the base config")
+    add_set(rp, "override the base config")
     rp.add_argument(
         "--change",
         action="append",
@@ -415,7 +352,7 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
 def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx fit` on the CLI's subparsers."""
     about = "fit a scaling law to finished runs and extrapolate, with bootstrap intervals"
-    return _command(subparsers, "fit", about, cmd_fit, _fit_arguments)
+    return command(subparsers, "fit", about, cmd_fit, _fit_arguments)
 
 
 def _lighthouse_arguments(lp: argparse.ArgumentParser) -> None:
@@ -434,23 +371,23 @@ def _lighthouse_arguments(lp: argparse.ArgumentParser) -> None:
 def add_lighthouse_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx lighthouse` on the CLI's subparsers."""
     about = "run torchft's lighthouse: the rendezvous of replica groups (parallel.replicas)"
-    return _command(subparsers, "lighthouse", about, cmd_lighthouse, _lighthouse_arguments)
+    return command(subparsers, "lighthouse", about, cmd_lighthouse, _lighthouse_arguments)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    p = _Parser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
+    p = Parser(prog="tenx", description="Pre-train GPT-style language models, end to end.")
     sub = p.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="prepare corpora").add_subparsers(dest="data_command", required=True)
     about = "corpus -> tokenizer -> shards + manifest, split by document"
-    _command(data, "prepare", about, cmd_data_prepare, _prepare_arguments)
+    command(data, "prepare", about, cmd_data_prepare, _prepare_arguments)
 
     tp = sub.add_parser("train", help="train a model from a TOML config")
     tp.add_argument(
         "--config", required=True, help="a .toml path or a shipped config name (configs/NAME.toml)"
     )
-    _add_set(tp, "override (repeatable)")
+    add_set(tp, "override (repeatable)")
     tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
     tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
     tp.add_argument(
@@ -541,10 +478,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
     )
     sp.set_defaults(func=cmd_sample)
+    xp = sub.add_parser(
+        "export", help="write a run's model and tokenizer as a Hugging Face transformers model"
+    )
+    xp.add_argument("target", help="run directory (its newest verified checkpoint) or checkpoint directory")
+    xp.add_argument("--format", choices=["hf"], default="hf", help="hf: a transformers model directory")
+    xp.add_argument(
+        "-o",
+        "--out",
+        required=True,
+        help="output directory: new, empty, or a previous tenx export to replace",
+    )
+    xp.add_argument(
+        "--checkpoint",
+        help="export this checkpoint (a path, or a step_XXXXXXXX name in the run's checkpoints)",
+    )
+    xp.set_defaults(func=cmd_export)
 
-    _command(sub, "ladder", "plan and run a scaling ladder from FLOP budgets", cmd_ladder, _ladder_arguments)
+    command(sub, "ladder", "plan and run a scaling ladder from FLOP budgets", cmd_ladder, _ladder_arguments)
     about = "add changes one at a time; check each gain persists across budgets"
-    _command(sub, "derisk", about, cmd_derisk, _derisk_arguments)
+    command(sub, "derisk", about, cmd_derisk, _derisk_arguments)
 
     qp = sub.add_parser("quickstart", help="prepare the stdlib corpus, train, evaluate against xz")
     qp.add_argument("--out", default="runs/quickstart", help="output directory")

@@ -20,7 +20,7 @@ LAYERS: list[list[str]] = [
     ["tenx.launch", "tenx.eval"],
     ["tenx.scaling", "tenx.plan", "tenx.quickstart"],
     # The warm spare runs a `tenx` command line: it is an entry point, like __main__.
-    ["tenx.cli", "tenx.__main__", "tenx.launch.worker"],
+    ["tenx.cli", "tenx.cli_parsing", "tenx.__main__", "tenx.launch.worker"],
 ]
 
 # File and folder names of a run directory: only tenx/rundir.py spells them.
