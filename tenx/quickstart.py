@@ -137,7 +137,7 @@ def _plan(
     """The schedule: config settings (steps, warmup, eval and checkpoint intervals) and how they were
     chosen. A resumed run keeps the plan it started with (OUT/plan.json)."""
     path = out / "plan.json"
-    if resuming and path.is_file():
+    if steps is None and resuming and path.is_file():
         try:
             kept = json.loads(path.read_text())
             if isinstance(kept.get("settings"), list) and all(isinstance(x, str) for x in kept["settings"]):

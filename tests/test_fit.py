@@ -421,3 +421,17 @@ def test_gadre_variants(tmp_path):
         [-0.0065, 0.0142, -0.0408], abs=0.001
     )
     assert errors(params_column="params_no_embed") == pytest.approx([0.0018, 0.0275, -0.0204], abs=0.001)
+
+
+def test_compute_optimal_of_a_degenerate_fit_says_so_instead_of_dividing_by_zero():
+    """A tiny ladder where the larger model loses at every budget fits alpha = 0: no optimal size."""
+    import numpy as np
+
+    from tenx.scaling.fit.frontier import compute_optimal
+    from tenx.scaling.fit.laws import FitResult
+
+    params = {"E": 1.0, "A": 5.0, "B": 20.0, "alpha": 0.0, "beta": 0.3}
+    fit = FitResult("chinchilla", "E + A/N^alpha + B/D^beta", params, {}, np.zeros((0, 5)), 6, 0.01)
+    out = compute_optimal(fit, 1e15)
+    assert out["N"] == 0.0 and out["tokens_per_param"] == float("inf")
+    assert "loss does not fall with model size" in out["degenerate"]

@@ -39,13 +39,18 @@ def compute_optimal(fit: FitResult, C: float) -> dict[str, Any]:
 
     def allocate(values: np.ndarray) -> np.ndarray:
         E, G, K, gamma, alpha, beta = _frontier_coefficients(values[:, :5])
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             N = G * (C / 6) ** (beta / (alpha + beta))
             return np.column_stack([N, C / (6 * N), E + K * (C / 6) ** -gamma])
 
     point = allocate(np.array([list(fit.params.values())]))[0]
     out: dict[str, Any] = {"C": C, "N": float(point[0]), "D": float(point[1]), "loss": float(point[2])}
-    out["tokens_per_param"] = out["D"] / out["N"]
+    out["tokens_per_param"] = out["D"] / out["N"] if out["N"] > 0 else math.inf
+    if not (math.isfinite(out["N"]) and math.isfinite(out["D"]) and out["N"] > 0):
+        out["degenerate"] = (
+            f"alpha={fit.params['alpha']:.3g}, A={fit.params['A']:.3g}: in this fit loss does not fall with "
+            "model size, so there is no compute-optimal size; add larger models or more budgets"
+        )
     ok = np.all(np.isfinite(fit.samples), axis=1) if len(fit.samples) else np.zeros(0, bool)
     if ok.any():
         q = 100 * (1 - fit.level) / 2

@@ -303,7 +303,9 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  target {keys}: loss {t['predicted']:.4f}{_fmt_interval(t.get('low'), t.get('high'))}"
             )
     co = report.get("compute_optimal")
-    if co:
+    if co and co.get("degenerate"):
+        lines.append(f"  compute-optimal at C={co['C']:.3g}: none: {co['degenerate']}")
+    elif co:
         lines.append(
             f"  compute-optimal at C={co['C']:.3g}: N={co['N']:.3g} D={co['D']:.3g} "
             f"({co['tokens_per_param']:.1f} tokens/param) loss {co['loss']:.4f}"
