@@ -75,7 +75,7 @@ def test_quickstart_fits_its_steps_to_the_time_budget(corpus_dir, tmp_path, caps
     heldout = json.loads((out / "data" / "manifest.json").read_text())["splits"]["heldout"]["tokens"]
     spent = plan["train_seconds_planned"]  # what the budget left for training, at 2000 tokens/s
     # before the seconds preparation took (a fraction of one here)
-    expected = int(qs._LOOP_EFFICIENCY * (60 - heldout / 6000 - qs._RESERVE_S) * 2000 / 256)
+    expected = int(qs._LOOP_EFFICIENCY * (60 - 2 * heldout / 6000 - qs._RESERVE_S) * 2000 / 256)
     assert speeds == [(1, 4)] and plan["tokens_per_s"] == 2000.0
     assert 0.9 * expected <= plan["steps"] <= expected, (plan, expected)
     assert summary["steps"] == plan["steps"] and spent == plan["steps"] * 256 / 2000
