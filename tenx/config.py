@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 import operator
+import reprlib
 import sys
 import types
 import typing
@@ -37,6 +38,17 @@ BOUNDS = {
     "lt": ("<", operator.lt),
 }
 """The bounds a numeric field may carry (`field(..., ge=1)`): how a message writes each, and its test."""
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""An int field holds a 64-bit signed integer, as TOML defines them (tomllib reads larger ones)."""
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """repr of a value for a message, cut short when long or deeply nested."""
+    return _REPR.repr(value)
 
 
 def field(
@@ -135,7 +147,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         allowed = get_args(tp)
         if value in allowed and type(value) is type(allowed[0]):
             return value
-        raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        raise ConfigError(
+            f"{where}: {_show(value)} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+        )
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None and type(None) in args:
@@ -148,32 +162,42 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
     if origin is list:
         (inner,) = get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(
+                f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})"
+            )
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):  # TOML and overrides accept inf and nan; no tenx field does
-                raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+                raise ConfigError(f"{where}: must be a finite number, got {_show(value)}")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT_MIN <= value <= INT_MAX:  # TOML integers are 64-bit; so are torch's and numpy's
+                raise ConfigError(f"{where}: {_show(value)} does not fit in a 64-bit integer")
             return value
     elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is str:
         if isinstance(value, str):
+            if "\x00" in value:
+                raise ConfigError(f"{where}: {_show(value)} contains a NUL character")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates: bytes of a command-line argument that are not UTF-8
+                raise ConfigError(f"{where}: {_show(value)} is not valid UTF-8 text") from None
             return value
     elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return from_dict(tp, value, where)
     else:  # pragma: no cover - a programming error in a Config definition
         raise TypeError(f"unsupported config annotation {tp!r} at {where}")
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
@@ -186,7 +210,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if key not in fields:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(
-                f"unknown key '{path}'; allowed keys{' in [' + where + ']' if where else ''}: {allowed}"
+                f"unknown key {_show(path)}; allowed keys{' in [' + where + ']' if where else ''}: {allowed}"
             )
         kwargs[key] = _coerce(value, hints[key], path)
     cfg = cls(**kwargs)
@@ -209,14 +233,16 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse `section.key=value`; the value is read as a TOML literal, else taken as a bare string."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. --set optim.lr=3e-4)")
+        raise ConfigError(
+            f"override {_show(text)} must look like section.key=value (e.g. --set optim.lr=3e-4)"
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
+        raise ConfigError(f"override {_show(text)}: empty key")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # RecursionError: brackets nested too deeply
         value = raw
     return key.split("."), value
 
@@ -229,7 +255,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for k in keys[:-1]:
             child = node.setdefault(k, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: '{k}' is a value, not a section")
+                raise ConfigError(f"override {_show(text)}: '{k}' is a value, not a section")
             node = child
         node[keys[-1]] = value
     return data
@@ -238,13 +264,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file, naming it in any error."""
     path = Path(path)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
+        raise ConfigError(f"config file {_show(str(path))} cannot be used: {e}") from None
+    if not is_file:
+        if path.exists():
+            raise ConfigError(f"config file {path} is not a regular file; give a .toml file")
         raise ConfigError(f"config file {path} does not exist (shipped configs live in configs/)")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e})") from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not valid TOML: the file is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
 
 
 def load(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:

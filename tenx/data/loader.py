@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tenx.config import check_bounds, field
-from tenx.data.manifest import np_dtype, read_manifest, verify_shard
+from tenx.data.manifest import check_token_ids, np_dtype, read_manifest, regular_file_size, verify_shard
 from tenx.errors import ConfigError, DataError
 
 _SKIP_HINT = 'or set data.on_corrupt_shard = "skip" to train around it'
@@ -82,6 +82,8 @@ class TokenStream:
                 f"{self.data_dir / 'manifest.json'}: no split '{split}'; available: {', '.join(splits)}"
             )
         self.split = split
+        self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
+        """Every id read must be below this (the manifest's vocabulary): a damaged shard never reaches a model."""
         self.verify = verify
         self.on_corrupt = on_corrupt
         self.on_bad_shard: Callable[[str, str], None] | None = None
@@ -115,7 +117,7 @@ class TokenStream:
             if not tokens:
                 self.shards.append(np.zeros(0, dtype=dtype))
                 continue
-            size = path.stat().st_size if path.is_file() else None
+            size = regular_file_size(path)
             if size == tokens * dtype.itemsize:
                 self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
                 continue
@@ -197,7 +199,9 @@ class TokenStream:
                 )
             local = start + pos - self.starts[i]
             take = min(length - pos, len(self.shards[i]) - local)
-            out[pos : pos + take] = self.shards[i][local : local + take]
+            piece = self.shards[i][local : local + take]
+            check_token_ids(piece, self.vocab_size, self.data_dir / self.entries[i]["file"], local)
+            out[pos : pos + take] = piece
             pos += take
             i += 1
         return out
@@ -219,6 +223,8 @@ class TokenLoader:
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy generators take no negative seeds), got {seed}")
         self.stream, self.seq_len, self.micro_batch = stream, seq_len, micro_batch
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
         self.num_windows = (len(stream) - 1) // seq_len

@@ -11,7 +11,15 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tenx.data.manifest import read_manifest
+from tenx.data.manifest import (
+    BYTES_EOT_ID,
+    BYTES_VOCAB_SIZE,
+    MANIFEST_NAME,
+    ManifestFieldError,
+    check_tokenizer_entry,
+    read_manifest,
+    regular_file_size,
+)
 from tenx.errors import ConfigError, DataError
 from tenx.utils.io import atomic_write_text, bytes_xxhash
 
@@ -54,8 +62,8 @@ class ByteTokenizer(Tokenizer):
     """Ids 0..255 are the UTF-8 bytes of the text; 256 ends a document."""
 
     kind = "bytes"
-    vocab_size = 257
-    eot_id = 256
+    vocab_size = BYTES_VOCAB_SIZE
+    eot_id = BYTES_EOT_ID
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes of `text` as ids."""
@@ -150,29 +158,50 @@ def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) ->
     data_dir = Path(data_dir)
     if entry is None:
         entry = read_manifest(data_dir)["tokenizer"]
-    kind = entry.get("kind")
+    try:
+        check_tokenizer_entry(entry)
+    except ManifestFieldError as e:
+        field, problem = e.args
+        raise DataError(
+            f"{data_dir / MANIFEST_NAME}: field {field}: {problem}; re-run `tenx data prepare`"
+        ) from None
     tokenizer: Tokenizer
-    if kind == "bytes":
+    if entry["kind"] == "bytes":
         tokenizer = ByteTokenizer()
-    elif kind == "bpe":
-        path = data_dir / str(entry.get("file"))
-        if not path.is_file():
-            raise DataError(f"tokenizer file {path} is missing; re-run `tenx data prepare`")
-        raw = path.read_bytes()
-        actual = bytes_xxhash(raw)
-        if actual != entry.get("xxhash"):
+    else:
+        path = data_dir / entry["file"]
+        if regular_file_size(path) is None:
             raise DataError(
-                f"tokenizer file {path} is corrupt: xxhash {actual}, manifest says {entry.get('xxhash')}; "
+                f"tokenizer file {path} is missing (or not a regular file); re-run `tenx data prepare`"
+            )
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise DataError(
+                f"tokenizer file {path} cannot be read ({e.strerror or e}); re-run `tenx data prepare`"
+            ) from None
+        actual = bytes_xxhash(raw)
+        if actual != entry["xxhash"]:
+            raise DataError(
+                f"tokenizer file {path} is corrupt: xxhash {actual}, manifest says {entry['xxhash']}; "
                 "re-run `tenx data prepare`"
             )
-        tokenizer = BPETokenizer(HFTokenizer.from_str(raw.decode("utf-8")))
-    else:
-        raise DataError(
-            f"manifest in {data_dir} names unknown tokenizer kind {kind!r}; expected bpe or bytes"
-        )
-    if (tokenizer.vocab_size, tokenizer.eot_id) != (entry.get("vocab_size"), entry.get("eot_id")):
+        try:
+            hf = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # UnicodeDecodeError, or the plain Exception `tokenizers` raises on bad JSON
+            raise DataError(
+                f"tokenizer file {path} is not a Hugging Face tokenizer ({_first_line(e)}); "
+                "re-run `tenx data prepare`"
+            ) from None
+        tokenizer = BPETokenizer(hf)
+    if (tokenizer.vocab_size, tokenizer.eot_id) != (entry["vocab_size"], entry["eot_id"]):
         raise DataError(
             f"tokenizer in {data_dir} has vocab_size {tokenizer.vocab_size}, eot_id {tokenizer.eot_id}; "
-            f"manifest says {entry.get('vocab_size')}, {entry.get('eot_id')}; re-run `tenx data prepare`"
+            f"manifest says {entry['vocab_size']}, {entry['eot_id']}; re-run `tenx data prepare`"
         )
     return tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]

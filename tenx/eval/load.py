@@ -74,7 +74,7 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
             f"checkpoint {path}: its manifest records a model of {params:,} parameters, but it holds only "
             f"{held:,} model values"
         )
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     if dev.type == "cpu":
         tune_cpu_allocator()
     try:

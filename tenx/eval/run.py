@@ -59,6 +59,13 @@ def evaluate(
     amp_dtype = resolve_precision(precision, next(loaded.model.parameters()).device)
     data_dir = loaded.data_dir
     manifest = read_manifest(data_dir)
+    tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
+    model_vocab = loaded.model.cfg.vocab_size or 0
+    if tokenizer.vocab_size > model_vocab:
+        raise DataError(
+            f"{data_dir}: its tokenizer has {tokenizer.vocab_size} tokens but the model of {loaded.checkpoint} "
+            f"has {model_vocab}: this is not the data the run was trained on (check data.dir in its config.toml)"
+        )
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
         if name in PREPARED_SPLITS:
@@ -66,7 +73,6 @@ def evaluate(
                 loaded.model, data_dir, name, batch_size, stride=stride, amp_dtype=amp_dtype
             )
         else:
-            tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
             texts = read_texts(name)
             results[name] = eval_texts(
                 loaded.model, texts, tokenizer, batch_size, stride=stride, amp_dtype=amp_dtype

@@ -66,6 +66,8 @@ class ModelConfig:
     def validate(self) -> None:
         """Check bounds and divisibility; names the offending field."""
         check_bounds(self, "model")
+        if self.init_std < 0:  # torch's normal_ refuses a negative standard deviation
+            raise ConfigError(f"model.init_std: must be >= 0 (a standard deviation), got {self.init_std}")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ConfigError(f"model.head_dim: must be an even number >= 2, got {self.head_dim}")
         r = self.resolved(self.vocab_size or 256)

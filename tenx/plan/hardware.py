@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tenx.errors import ConfigError
 from tenx.utils.io import atomic_write_json
 
 # Dense (non-sparse) peak FLOP/s by GPU name substring; bf16 and tf32/fp32.
@@ -32,11 +33,32 @@ GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """`auto` picks CUDA when available, else CPU; an explicit name is honoured."""
+def pick_device(name: str = "auto", what: str = "device") -> torch.device:
+    """`auto` picks CUDA when available, else CPU; an explicit name must be a device this machine has
+    (ConfigError naming `what`, the field or flag it came from, otherwise)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"{what} {name!r} is not a device name: use auto, cpu, cuda, cuda:N, mps or xpu"
+        ) from None
+    available = {
+        "cpu": lambda: True,
+        "cuda": torch.cuda.is_available,
+        "mps": lambda: hasattr(torch.backends, "mps") and torch.backends.mps.is_available(),
+        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
+    if device.type not in available:
+        raise ConfigError(f"{what} {name!r}: tenx runs on cpu, cuda, mps or xpu")
+    if not available[device.type]():
+        raise ConfigError(
+            f"{what} {name!r}: no {device.type} device is available on this machine (use auto or cpu)"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{what} {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 # oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) below the first with bf16 dot products

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.data.loader import DataConfig
@@ -18,13 +20,18 @@ from tenx.train.optim import OptimConfig
 from tenx.train.watchdog import WatchdogConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+"""The torch device types `train.device` may name (whether this machine has one is checked when a run starts)."""
 
 
 def resolve_config_path(name: str) -> Path:
     """A config path as given, or the name of a shipped config (`quickstart` -> configs/quickstart.toml)."""
     path = Path(name)
-    if path.is_file() or path.suffix == ".toml":
-        return path
+    try:
+        if path.is_file() or path.suffix == ".toml":
+            return path
+    except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
+        raise TenxError(f"config {name[:80]!r}: cannot be used as a path ({e.strerror or e})") from None
     shipped = CONFIG_DIR / f"{name}.toml"
     if shipped.exists():
         return shipped
@@ -72,6 +79,21 @@ class TrainConfig:
             raise ConfigError("train.steps: set train.steps or train.tokens")
         if self.steps is not None and self.tokens is not None:
             raise ConfigError("train.steps: set only one of train.steps and train.tokens")
+        if self.seed < 0:  # numpy's generators take non-negative seeds only
+            raise ConfigError(f"train.seed: must be >= 0, got {self.seed}")
+        if self.device != "auto":
+            try:
+                kind = torch.device(self.device).type
+            except (RuntimeError, ValueError) as e:
+                raise ConfigError(
+                    f"train.device: {self.device[:80]!r} is not a device ({str(e).splitlines()[0][:100]}); "
+                    "use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+                ) from None
+            if kind not in DEVICE_TYPES:  # 'meta', 'lazy', ...: torch devices nothing can be trained on
+                raise ConfigError(
+                    f"train.device: tenx trains on {', '.join(DEVICE_TYPES)} devices, not {self.device!r}; "
+                    "use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+                )
 
 
 @dataclass

@@ -21,7 +21,7 @@ class OptimConfig:
     weight_decay: float = field(0.1, ge=0, help="decoupled weight decay on matrices (not on norms, biases)")
     beta1: float = field(0.9, ge=0, lt=1, help="AdamW beta1")
     beta2: float = field(0.95, ge=0, lt=1, help="AdamW beta2")
-    eps: float = field(1e-8, help="AdamW epsilon")
+    eps: float = field(1e-8, ge=0, help="AdamW epsilon")
     grad_clip: float = field(1.0, ge=0, help="clip the global gradient norm to this value (0 disables)")
     schedule: Literal["cosine", "wsd", "constant"] = field(
         "cosine", help="learning-rate schedule after warmup"

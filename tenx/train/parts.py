@@ -94,7 +94,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    device = rank_device(pick_device(tc.device), env)
+    device = rank_device(pick_device(tc.device, "train.device"), env)
     if device.type == "cpu" and tc.tune_allocator:
         tune_cpu_allocator()
     amp_dtype = resolve_precision(tc.precision, device)

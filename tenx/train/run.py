@@ -64,7 +64,9 @@ def train(
         )
     ensure_writable(run_dir, "run directory")
     env = dist_env()
-    owns_group = init_distributed(env, rank_device(pick_device(cfg.train.device), env), cfg.parallel)
+    owns_group = init_distributed(
+        env, rank_device(pick_device(cfg.train.device, "train.device"), env), cfg.parallel
+    )
     finished = False
     try:
         trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks, env.rank), env=env)

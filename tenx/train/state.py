@@ -9,6 +9,7 @@ callback and guard state, the resolved config). Every load, whatever its source,
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import time
@@ -134,7 +135,16 @@ class TrainerState:
         """Free the in-memory tier (a fresh start, or training finished)."""
         if self.memory_checkpointer is not None:
             self.memory_checkpointer.wait()
-        shutil.rmtree(memory_tier_dir(self.cfg, self.rundir), ignore_errors=True)
+        # only what tenx wrote there: checkpoint.memory_dir may name a directory that holds the user's files
+        root = memory_tier_dir(self.cfg, self.rundir)
+        if not root.is_dir() or root.is_symlink():
+            return
+        for _, path in ckpt.list_checkpoints(root):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in [*root.glob(f".{STEP_DIR}*.tmp-*"), *root.glob(f".{STEP_DIR}*.old-*")]:
+            shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            root.rmdir()  # only when nothing else is left in it
 
     def _state_tensors(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Every tensor of the training state (for DCP), and the optimizer's plain-data param groups (JSON).

@@ -160,13 +160,17 @@ def format_bytes(n: int) -> str:
 
 
 def ensure_writable(directory: str | os.PathLike[str], what: str) -> None:
-    """Create `directory` and a scratch file in it, or raise TenxError naming it and what to do."""
+    """Check that a file can be created in `directory` (creating, then removing, the folders it needs),
+    or raise TenxError naming it and what to do."""
     directory = Path(directory)
+    created = [p for p in (directory, *directory.parents) if not p.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=directory, prefix=".tenx-write-check.")
         os.close(fd)
         os.unlink(name)
+        for path in created:  # deepest first: a check leaves no trace (the run creates them when it writes)
+            path.rmdir()
     except OSError as e:
         problem = STORAGE_ERRNOS.get(e.errno or 0, e.strerror or type(e).__name__)
         raise TenxError(
