@@ -604,7 +604,11 @@ def test_manifest_self_checksum_and_schema_name_the_field(bench):
     [
         ("depth", 10**6, "holds only"),  # would allocate far more than the checkpoint holds
         ("vocab_size", 2**40, "holds only"),
-        ("init_std", -1.0, "cannot be built"),  # a value ModelConfig.validate does not range-check
+        (
+            "init_std",
+            -1.0,
+            "field .model. is invalid: model.init_std: must be >= 0",
+        ),  # range-checked by ModelConfig.validate now
         ("d_model", "x", "field 'model' is invalid"),
     ],
 )
