@@ -77,7 +77,7 @@ def test_quickstart_fits_its_steps_to_the_time_budget(corpus_dir, tmp_path, caps
     # before the seconds preparation took (a fraction of one here)
     expected = int(qs._LOOP_EFFICIENCY * (60 - 2 * heldout / 6000 - qs._RESERVE_S) * 2000 / 256)
     assert speeds == [(1, 4)] and plan["tokens_per_s"] == 2000.0
-    assert 0.9 * expected <= plan["steps"] <= expected, (plan, expected)
+    assert 0.75 * expected <= plan["steps"] <= expected, (plan, expected)  # preparation took < 10 s
     assert summary["steps"] == plan["steps"] and spent == plan["steps"] * 256 / 2000
     assert (
         f"train.steps={plan['steps']}" in plan["settings"]
