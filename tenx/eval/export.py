@@ -36,7 +36,7 @@ from tenx.errors import ConfigError, DataError, TenxError
 from tenx.eval.load import load_model, resolve_checkpoint
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Block, Transformer
-from tenx.utils.io import atomic_write_json, fsync_dir
+from tenx.utils.io import FILE_MODE, atomic_write_json, fsync_dir
 
 MARKER = "tenx_export.json"
 """The file that marks a directory as a tenx export (and so safe to replace with a newer one)."""
@@ -554,10 +554,8 @@ def _patch_config_json(directory: Path) -> None:
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished export `tmp` to `out`, replacing an empty directory or a previous export."""
-    umask = os.umask(0)
-    os.umask(umask)
     for p in tmp.iterdir():  # the files are complete on disk before the directory is renamed
-        os.chmod(p, 0o666 & ~umask)  # as a plain open() would create them (some are written 0600)
+        os.chmod(p, FILE_MODE)  # as a plain open() would create them (some are written 0600)
         with open(p, "rb") as f:
             os.fsync(f.fileno())
     fsync_dir(tmp)

@@ -24,7 +24,7 @@ def _current_umask() -> int:
 
 
 # mkstemp creates files 0600; published files get the permissions a plain open() would give them.
-_FILE_MODE = 0o666 & ~_current_umask()
+FILE_MODE = 0o666 & ~_current_umask()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -47,7 +47,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, _FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
