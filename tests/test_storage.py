@@ -75,7 +75,41 @@ def test_a_read_only_run_directory_is_refused_before_anything_is_written(
     err = capsys.readouterr().err
     assert err.startswith(f"tenx: error: cannot write the run directory {run}: read-only file system")
     assert "nothing was written" in err
-    assert list(run.iterdir()) == []
+    assert not run.exists()
+
+
+def test_the_write_check_creates_no_folder_and_ranks_may_run_it_at_once(tmp_path):
+    """Every rank checks the run directory when it starts. A check that created the folders it needed and
+    removed them afterwards raced with its peers: one rank removed the folder another was probing, which
+    then failed with 'No such file or directory' (seen in CI under torchrun)."""
+    import threading
+
+    from tenx.utils.io import ensure_writable
+
+    target = tmp_path / "runs" / "a" / "b"
+    ensure_writable(target, "run directory")
+    assert list(tmp_path.iterdir()) == []  # nothing created, nothing left behind
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def rank(i: int) -> None:
+        start.wait()
+        try:
+            for _ in range(50):
+                ensure_writable(target, "run directory")
+                if i == 0:
+                    target.mkdir(parents=True, exist_ok=True)  # one rank goes on to write the run
+        except BaseException as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in target.iterdir()] == []  # every probe file was removed
 
 
 def test_a_full_disk_elsewhere_in_the_step_is_one_clear_line(tiny_data, tmp_path, capsys, monkeypatch):

@@ -160,17 +160,19 @@ def format_bytes(n: int) -> str:
 
 
 def ensure_writable(directory: str | os.PathLike[str], what: str) -> None:
-    """Check that a file can be created in `directory` (creating, then removing, the folders it needs),
-    or raise TenxError naming it and what to do."""
+    """Check that a file can be created in `directory`, or raise TenxError naming it and what to do.
+
+    The probe goes into the deepest folder that already exists and creates no folder: several ranks
+    check the same run directory at once, and a check that created and removed folders raced with them
+    (one rank removed the folder another was probing). Each probe file has a unique name."""
     directory = Path(directory)
-    created = [p for p in (directory, *directory.parents) if not p.exists()]
+    probe_dir = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".tenx-write-check.")
+        if not probe_dir.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe_dir))
+        fd, name = tempfile.mkstemp(dir=probe_dir, prefix=".tenx-write-check.")
         os.close(fd)
         os.unlink(name)
-        for path in created:  # deepest first: a check leaves no trace (the run creates them when it writes)
-            path.rmdir()
     except OSError as e:
         problem = STORAGE_ERRNOS.get(e.errno or 0, e.strerror or type(e).__name__)
         raise TenxError(
