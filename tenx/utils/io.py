@@ -141,7 +141,7 @@ def describe_storage_problem(error: BaseException, path: str | os.PathLike[str])
     free = free_bytes(path)
     where = f"{format_bytes(free)} free on the file system of {path}" if free is not None else str(path)
     if found is not None:
-        words, target = STORAGE_ERRNOS[found.errno], found.filename or path
+        words, target = STORAGE_ERRNOS[found.errno or 0], found.filename or path
         low = found.errno in _SPACE and free is not None and free < LOW_SPACE
         return f"{words} ({target}; {where})" if low else f"{words} ({target})"
     if free is not None and free < LOW_SPACE:

@@ -7,9 +7,11 @@ a bootstrap over runs (the original's were implausibly narrow). Predicted log lo
 that are linear in the parameters, e.g. log L = logsumexp(a - alpha log N, b - beta log D, e) with
 A = e^a, B = e^b, E = e^e, so one optimiser serves every law.
 
-Modules, each importing only those listed after it: report (the whole analysis of a run table; the `tenx fit`
-command in tenx/cli.py calls it), plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
-FitConfig, FitResult, the fit functions), solver (the optimiser).
+Modules, each importing only those listed after it: published (Gadre et al.'s runs as a benchmark: the
+inner cross-validation that chose how to fit them, and the error of every big run), report (the whole
+analysis of a run table; the `tenx fit` command in tenx/cli.py calls it; leave-largest-size-out), plots,
+frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws, FitConfig,
+FitResult, the fit functions), solver (the optimiser).
 """
 
 from tenx.scaling.fit.frontier import (
@@ -36,7 +38,14 @@ from tenx.scaling.fit.laws import (
     fit_data_constrained,
 )
 from tenx.scaling.fit.plots import plot_fit
-from tenx.scaling.fit.report import format_report, parse_target, run_fit, select_runs
+from tenx.scaling.fit.published import inner_cv, published_accuracy
+from tenx.scaling.fit.report import (
+    format_report,
+    leave_largest_size_out,
+    parse_target,
+    run_fit,
+    select_runs,
+)
 from tenx.scaling.fit.solver import logsumexp
 
 __all__ = [
@@ -58,11 +67,14 @@ __all__ = [
     "fit_data_constrained",
     "fit_points",
     "format_report",
+    "inner_cv",
     "isoflop_minima",
     "leave_largest_out",
+    "leave_largest_size_out",
     "logsumexp",
     "parse_target",
     "plot_fit",
+    "published_accuracy",
     "run_fit",
     "select_runs",
 ]

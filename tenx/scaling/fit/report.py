@@ -156,6 +156,55 @@ def select_runs(
 
 
 @with_serial_blas
+def leave_largest_size_out(
+    table: Table,
+    law: str = "chinchilla",
+    *,
+    score_tokens_per_param: float = 20.0,
+    min_tokens_per_param: float = 0.0,
+    max_residual: float = 0.05,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Cross-validation inside the fit rows: fit every model size but the largest, predict the largest.
+
+    The smaller sizes' rows are fitted as `run_fit` fits rows (the same `select_runs`, then `law` with `kw`,
+    without bootstrap); the largest size's rows with at least `score_tokens_per_param` tokens per parameter
+    (the regime the fit will be asked about) are predicted. Returns those predictions (`rows`) and their
+    root-mean-square relative error (`rms_rel_error`), the score by which variants of a fit are compared on
+    the small runs alone.
+    """
+    points = table.fit
+    sizes = np.unique(points.N)
+    if len(sizes) < 3:
+        raise DataError(
+            f"leave-largest-size-out: {len(sizes)} model sizes in the fit rows; need 3 or more "
+            "(2 to fit, 1 to predict)"
+        )
+    largest = points.N == sizes[-1]
+    scored = largest & (points.D >= score_tokens_per_param * points.N * (1 - 1e-9))
+    if not scored.any():
+        raise DataError(
+            f"leave-largest-size-out: no run of the largest size has {score_tokens_per_param:g} or more "
+            "tokens per parameter to score"
+        )
+    inner = table.with_fit_rows(~largest)
+    quick = {**kw, "bootstrap": 0}
+    keep, _ = select_runs(
+        inner, law, min_tokens_per_param=min_tokens_per_param, max_residual=max_residual, **quick
+    )
+    fit = fit_points(inner.fit.take(keep), law, **quick)
+    rows = prediction_rows(fit, points.take(scored), [r for r, s in zip(table.fit_rows, scored) if s])
+    errors = np.array([r["rel_error"] for r in rows])
+    return {
+        "size": float(sizes[-1]),
+        "n_fit": int(keep.sum()),
+        "fit": fit.to_dict(),
+        "rows": rows,
+        "rms_rel_error": float(np.sqrt(np.mean(errors**2))),
+    }
+
+
+@with_serial_blas
 def run_fit(
     path_or_table: str | Path | Table,
     *,
