@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tenx.monitor.metrics import read_metrics
 
@@ -22,6 +23,54 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
         ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", ms=3, label="validation")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def plot_prediction(
+    prediction: Any, out_png: str | Path, metrics_path: str | Path | None = None, title: str = ""
+) -> Path:
+    """A predicted loss curve (tenx.monitor.prediction.Prediction) with its band, and, if a run's
+    metrics.jsonl is given, its actual training loss smoothed over the prediction's window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if metrics_path is not None and Path(metrics_path).is_file():
+        records = [r for r in read_metrics(metrics_path) if "loss" in r and "step" in r]
+        if records:
+            steps = [r["step"] for r in records]
+            losses = [r["loss"] for r in records]
+            ax.plot(steps, losses, lw=0.5, alpha=0.35, color="tab:gray", label="actual (per step)")
+            w = max(1, prediction.window)
+            smooth = [
+                sum(losses[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1))
+                for i in range(len(losses))
+            ]
+            ax.plot(steps, smooth, lw=1.2, color="black", label=f"actual (mean of {w} steps)")
+    level = round(100 * prediction.level)
+    ax.fill_between(
+        prediction.step,
+        prediction.lower,
+        prediction.upper,
+        alpha=0.25,
+        color="tab:blue",
+        label=f"{level}% band",
+    )
+    ax.plot(prediction.step, prediction.loss, lw=1.5, color="tab:blue", label="predicted")
+    lo = min(prediction.lower)
+    hi = max(prediction.upper[len(prediction.upper) // 10 :] or prediction.upper)
+    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.15 * (hi - lo))
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
