@@ -93,6 +93,33 @@ def test_quickstart_fits_its_steps_to_the_time_budget(corpus_dir, tmp_path, caps
     assert again["steps"] == plan["steps"] and "reusing finished run" in capsys.readouterr().out
 
 
+def test_a_cpu_too_slow_for_the_whole_schedule_trains_a_shallower_model(
+    corpus_dir, tmp_path, capsys, monkeypatch
+):
+    """When the budget buys under 80% of the config's steps (an fp32-only CPU), the quickstart measures the
+    next shallower depth and trains it for what the budget allows, up to twice the config's steps."""
+    import tenx.quickstart as qs
+
+    speeds = []
+
+    def measure(cfg, micro_batch, steps=3):
+        speeds.append(cfg.model.depth)
+        return {3: 1500.0, 2: 3000.0}[cfg.model.depth]
+
+    monkeypatch.setattr(qs, "measure_tokens_per_s", measure)
+    overrides = ["model.aspect_ratio=16", "model.seq_len=64", "train.micro_batch=4", "log.progress=false"]
+    overrides += ["log.tensorboard=false", "train.precision=fp32", "train.steps=400"]
+    out = tmp_path / "qs"
+    summary = quickstart(out, minutes=0.8, source=str(corpus_dir), tokenizer="bytes", overrides=overrides)
+    plan = json.loads((out / "plan.json").read_text())
+    assert speeds == [3, 2] and plan["depth"] == 2 and plan["tokens_per_s"] == 3000.0
+    assert plan["settings"][0] == "model.depth=2" and 100 < plan["steps"] <= 800
+    assert summary["steps"] == plan["steps"]
+    printed = capsys.readouterr().out
+    assert "allows only" in printed and "measuring depth 2, about twice as fast" in printed
+    assert "depth = 2\n" in (out / "run" / "config.toml").read_text()
+
+
 def test_quickstart_refuses_a_senseless_budget(tmp_path, capsys):
     assert main(["quickstart", "--out", str(tmp_path / "qs"), "--minutes", "nan"]) == 2
     assert "--minutes must be a finite number > 0" in capsys.readouterr().err
