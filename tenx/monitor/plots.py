@@ -50,12 +50,15 @@ def plot_prediction(
             steps = [r["step"] for r in records]
             losses = [r["loss"] for r in records]
             ax.plot(steps, losses, lw=0.5, alpha=0.35, color="tab:gray", label="actual (per step)")
-            w = max(1, prediction.window)
+            half = max(1, prediction.window) // 2  # centred, as the law's smoothed points are
             smooth = [
-                sum(losses[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1))
+                sum(losses[max(0, i - half) : i + half + 1]) / len(losses[max(0, i - half) : i + half + 1])
                 for i in range(len(losses))
             ]
-            ax.plot(steps, smooth, lw=1.2, color="black", label=f"actual (mean of {w} steps)")
+            ax.plot(steps, smooth, lw=1.2, color="black", label=f"actual (mean of {2 * half + 1} steps)")
+    upto = prediction.source.get("upto_step")
+    if isinstance(upto, int) and upto < prediction.step[-1]:
+        ax.axvline(upto, color="tab:red", lw=0.8, ls="--", label=f"fitted up to step {upto}")
     level = round(100 * prediction.level)
     ax.fill_between(
         prediction.step,
