@@ -349,6 +349,61 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_predict(args: argparse.Namespace) -> None:
+    """`tenx predict`: a run's whole predicted loss curve, from a ladder or from its own start."""
+    from tenx.scaling.predict import run_predict
+
+    print(
+        run_predict(
+            ladder_dir=args.ladder,
+            config=args.config,
+            overrides=args.set,
+            run_dir=args.run,
+            law=args.law,
+            world_size=args.world_size,
+            bootstrap=args.bootstrap,
+            out=args.out,
+        )["text"]
+    )
+
+
+def _predict_arguments(pp: argparse.ArgumentParser) -> None:
+    from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, LAWS
+
+    pp.add_argument(
+        "--from", dest="ladder", metavar="LADDER_DIR", help="a ladder's directory (tenx ladder --out)"
+    )
+    pp.add_argument("--config", help="the run to predict: a config path or a shipped name (with --from)")
+    pp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override the config (repeatable)",
+    )
+    pp.add_argument("--run", metavar="RUN_DIR", help="extrapolate this run from its curve so far instead")
+    pp.add_argument(
+        "--law",
+        choices=sorted(LAWS),
+        help=f"the curve law (default: {DEFAULT_LAW} from a ladder, {EXTRAPOLATION_LAW} for --run)",
+    )
+    pp.add_argument(
+        "--world-size", type=int, default=1, help="ranks the config will run on (its batch is per rank)"
+    )
+    pp.add_argument("--bootstrap", type=int, default=30, help="bootstrap resamples for the band (0: none)")
+    pp.add_argument(
+        "-o",
+        "--out",
+        help="output directory (default: the run's directory, or LADDER_DIR/predictions/CONFIG)",
+    )
+
+
+def add_predict_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx predict` on the CLI's subparsers."""
+    about = "predict a run's whole loss curve with a band: from a ladder, or from the run's own start"
+    return command(subparsers, "predict", about, cmd_predict, _predict_arguments)
+
+
 def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx fit` on the CLI's subparsers."""
     about = "fit a scaling law to finished runs and extrapolate, with bootstrap intervals"
@@ -440,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
     add_fit_parser(sub)  # `tenx fit`: scaling-law fits with bootstrap intervals
+    add_predict_parser(sub)  # `tenx predict`: a whole loss curve with a band
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")
