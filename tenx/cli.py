@@ -231,15 +231,13 @@ PREPARE_FLAGS = (
 LADDER_FLAGS = (
     "grid",
     "tokens_per_param",
+    "min_tokens_per_param",
+    "max_tokens_per_param",
     "sizes",
     "min_depth",
-    "max_depth",
-    "unique_tokens",
-    "seeds",
-    "eval_bytes",
-    "prepare_source",
-    "prepare_tokenizer",
 )
+LADDER_FLAGS += ("max_depth", "unique_tokens", "seeds", "noise_seeds", "eval_bytes", "prepare_source")
+LADDER_FLAGS += ("prepare_tokenizer",)
 """The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
 FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")
 """The FitConfig fields `tenx fit` takes as flags."""
@@ -260,7 +258,7 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
     lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
     add_set(lp, "override the base config")
     lp.add_argument(
-        "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 30x CPU ladder)"
+        "--budgets", help="training FLOP budgets, e.g. 1e13,3e13,1e14 (default: a 10x CPU ladder)"
     )
     add_config_arguments(lp, LadderConfig, LADDER_FLAGS)
     lp.add_argument("--out", required=True, help="ladder directory (runs/, results.jsonl, plan.json)")

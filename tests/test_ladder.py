@@ -30,7 +30,16 @@ def _base(tiny_config, tiny_data, *overrides):
 
 def test_isoflop_plan_spends_each_budget_and_follows_the_size_rules(tiny_config, tiny_data):
     base = _base(tiny_config, tiny_data)
-    lc = LadderConfig(budgets=[3e10, 1e11], grid="isoflop", sizes=3, tokens_per_param=5.0, min_steps=20)
+    # tiny budgets: the tokens-per-parameter range and the noise seeds are tests/test_ladder_design.py's
+    lc = LadderConfig(
+        budgets=[3e10, 1e11],
+        grid="isoflop",
+        sizes=3,
+        tokens_per_param=5.0,
+        min_tokens_per_param=0,
+        noise_seeds=1,
+        min_steps=20,
+    )
     plan = plan_ladder(base, lc)
     assert len(plan) == 6 and [r.budget for r in plan] == [3e10] * 3 + [1e11] * 3
     for r in plan:
@@ -70,15 +79,27 @@ def test_bad_budgets_are_clear_errors(tiny_config, tiny_data):
     with pytest.raises(ConfigError, match="--budgets: '-1' must be a positive"):
         parse_budgets("-1")
     assert parse_budgets("1e12, 3e12") == [1e12, 3e12]
-    with pytest.raises(ConfigError, match=r"ladder.budgets: 1e\+06 FLOPs buys depth 1 only"):
+    with pytest.raises(
+        ConfigError, match=r"1e\+06 FLOPs buys depth 1 only .*ladder.min_tokens_per_param 1\)"
+    ):
         plan_ladder(_base(tiny_config, tiny_data), LadderConfig(budgets=[1e6]))
+    with pytest.raises(ConfigError, match=r"1e\+06 FLOPs buys depth 1 only 2 tokens \(< 50 steps"):
+        plan_ladder(_base(tiny_config, tiny_data), LadderConfig(budgets=[1e6], grid="ratio"))
     with pytest.raises(ConfigError, match="ladder.max_depth"):
         LadderConfig(min_depth=3, max_depth=2).validate()
 
 
 def test_ladder_runs_once_resumes_a_crash_and_records_every_field(tiny_config, tiny_data, tmp_path):
     base = _base(tiny_config, tiny_data, "checkpoint.async_save=false")
-    lc = LadderConfig(budgets=[2e10, 5e10], grid="isoflop", sizes=2, min_steps=20, eval_bytes=30000)
+    lc = LadderConfig(
+        budgets=[2e10, 5e10],
+        grid="isoflop",
+        sizes=2,
+        min_tokens_per_param=0,
+        noise_seeds=1,
+        min_steps=20,
+        eval_bytes=30000,
+    )
     rows = run_ladder(base, lc, tmp_path / "lad")
     assert len(rows) == 4
     table = read_results(tmp_path / "lad")
@@ -124,10 +145,12 @@ def test_unique_tokens_cap_repeats_data(tiny_config, tiny_data, tmp_path):
 
 
 def test_cli_dry_run_prints_the_plan_with_estimated_time(tiny_data, tmp_path, capsys):
-    args = ["ladder", "--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--budgets", "2e10,5e10"]
+    # depth 2 of tiny.toml trains 1 token per parameter from 1.25e12 FLOPs
+    args = ["ladder", "--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--budgets", "1.3e12,3e12"]
     assert main([*args, "--sizes", "2", "--out", str(tmp_path / "lad"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "base-C2.00e10-d1" in out and "base-C5.00e10-d2" in out and "on this machine" in out
+    assert "base-C1.30e12-d2-s2" in out and "base-C3.00e12-d2 " in out and "on this machine" in out
+    assert "C=1.30e12  d1-2   D/N 37.3/1.04" in out and out.count("brackets it") == 2
     assert not (tmp_path / "lad").exists()
     assert main([*args, "--budgets", "1", "--out", str(tmp_path / "x")]) == 2
     assert "ladder.budgets" in capsys.readouterr().err

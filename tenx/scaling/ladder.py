@@ -24,10 +24,14 @@ from tenx.errors import TenxError
 from tenx.scaling.launch import emit_launch
 from tenx.scaling.planner import (
     DEFAULT_BUDGETS,
+    BudgetCheck,
     LadderConfig,
     PlannedRun,
+    format_checks,
     format_plan,
+    minimum_checks,
     parse_budgets,
+    plan_checks,
     plan_ladder,
     shape_for_depth,
     vocab_size_of,
@@ -37,6 +41,7 @@ from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, ca
 
 __all__ = [
     "DEFAULT_BUDGETS",
+    "BudgetCheck",
     "LadderConfig",
     "PlannedRun",
     "append_result",
@@ -45,10 +50,13 @@ __all__ = [
     "ensure_data",
     "estimate_seconds",
     "evaluate_run",
+    "format_checks",
     "format_plan",
     "load_base",
     "measure_tokens_per_s",
+    "minimum_checks",
     "parse_budgets",
+    "plan_checks",
     "plan_ladder",
     "read_results",
     "run_ladder",
@@ -330,21 +338,28 @@ def run_ladder(
     lc.validate()
     base = ensure_data(base, lc, dry_run=dry_run)
     plan = plan_ladder(base, lc, tag)
+    checks = plan_checks(plan, lc)
+    footer = format_checks(checks, lc) if lc.grid == "isoflop" else None
     out = Path(out)
     if dry_run:
-        print(format_plan(plan, estimate_seconds(plan, lc) if estimate else None))
+        print(format_plan(plan, estimate_seconds(plan, lc) if estimate else None, footer))
         return []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "plan.json",
-        {"ladder": cfglib.to_dict(lc), "runs": [r.record() for r in plan], "time": time.time()},
+        {
+            "ladder": cfglib.to_dict(lc),
+            "runs": [r.record() for r in plan],
+            "checks": [c.record() for c in checks],
+            "time": time.time(),
+        },
     )
     if emit is not None:
         scripts = emit_launch(plan, out, emit, collect or "tenx ladder ...", nproc, nodes)
-        print(format_plan(plan))
+        print(format_plan(plan, footer=footer))
         print("launch scripts:\n  " + "\n  ".join(str(p) for p in scripts))
         return []
-    print(format_plan(plan))
+    print(format_plan(plan, footer=footer))
     rows = []
     t0 = time.perf_counter()
     for i, run in enumerate(plan, 1):
@@ -357,5 +372,9 @@ def run_ladder(
         )
         rows.append(row)
     print(f"ladder: {len(plan)} runs in {time.perf_counter() - t0:.0f} s; results: {out / 'results.jsonl'}")
+    if lc.grid == "isoflop":  # the planner centred the windows on a guess; the runs measured the minima
+        print(
+            "IsoFLOP minima of held-out loss:\n  " + "\n  ".join(m["message"] for m in minimum_checks(rows))
+        )
     sys.stdout.flush()
     return rows

@@ -5,9 +5,20 @@ multiples of 64). For each depth the planner knows the exact parameter count N a
 F (tenx.model.flops), so a run at budget C trains D = C / F tokens.
 
 Grids:
-- `isoflop`: at each budget, `sizes` depths centred on the one whose tokens per parameter D/N is closest
-  (in log) to `tokens_per_param`; every run at a budget spends the same FLOPs (Chinchilla approach 2).
-- `ratio`: one run per budget, the depth closest to `tokens_per_param`.
+- `isoflop`: at each budget, `sizes` consecutive depths around the one whose tokens per parameter D/N is
+  closest (in log) to `tokens_per_param`; every run at a budget spends the same FLOPs (Chinchilla approach
+  2). Only depths that train between `min_tokens_per_param` and `max_tokens_per_param` are admissible: the
+  window is shifted, then trimmed, to stay among them. With an odd `sizes` the window is centred on that
+  depth, with an even one its extra depth lies on the far side of the target ratio, so that where the
+  admissible depths allow it the window brackets the ratio (a depth above it and one below): the measured
+  IsoFLOP minimum can then lie inside the sizes tried. `plan_checks` says, per budget, whether it does.
+- `ratio`: one run per budget, the depth closest to `tokens_per_param` (the closest one can get, so the
+  tokens-per-parameter range does not apply; tenx derisk plans its stacks on this grid).
+
+Seeds: every run trains with `seeds` seeds; in the isoflop grid the runs of the smallest budget train with
+`noise_seeds` seeds (train.seed, train.seed+1, ...), so the ladder measures its own seed noise where it
+counts most against the differences between runs (the shortest runs, with the fewest steps to average
+over) and where repeats cost least.
 
 Hyperparameters by size (the rule is the same at every scale, so a ladder extrapolates):
 - peak learning rate = optim.lr x (d_ref / d_model) ** lr_width_exponent, d_ref = the base config's width
@@ -15,6 +26,10 @@ Hyperparameters by size (the rule is the same at every scale, so a ladder extrap
 - batch: the base config's sequences per step, halved until the run has at least `min_steps` steps;
 - warmup: `warmup_tokens_per_param` x N tokens (OLMo's ladder warms up over N tokens), at most
   `max_warmup_fraction` of the run; the base schedule (cosine by default) spans each run's own length.
+
+After the runs, `minimum_checks` reads tenx.scaling.fit.frontier.isoflop_minima of the results: a budget
+whose fitted minimum lies outside the sizes tried (or that has none) is named, with the tokens per
+parameter at its minimum, the value to centre the next ladder on.
 """
 
 from __future__ import annotations
@@ -31,7 +46,14 @@ from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.train.config import RunConfig
 
-DEFAULT_BUDGETS = [1e12, 2.3e12, 5.5e12, 1.3e13, 3e13]  # 30x; about 20 minutes on 2 CPU cores
+# configs/ladder.toml's CPU ladder: 10x in steps of 10^0.2 over depths 1-3 (94k, 0.51M, 1.45M parameters).
+# Depths are coarse here: depths 1 and 2 both train 1..300 tokens per parameter only from 1.82e12 to
+# 1.81e13 FLOPs and depth 3 reaches 1 at 1.47e13, so the top budget trains depths 1-3 (282, 9.3, 1.2 tokens
+# per parameter), the middle ones depths 1-2, all bracketing 20; the bottom one, where depth 2 would train
+# 0.93, trains depth 1 alone (28, 3 seeds) and cannot. A top budget bracketing with depths 2-3 needs 3.65e13
+# (with a benchmark's three extra runs there, 42 single-core minutes alone). Dry-run estimate (fp32, one
+# core, loaded machine): 25.8 minutes, 37 with three extra depth-2 runs at 1.7e13; two cores, about /1.6.
+DEFAULT_BUDGETS = [1.7e12, 2.7e12, 4.3e12, 6.8e12, 1.07e13, 1.7e13]
 
 
 @dataclass
@@ -47,6 +69,18 @@ class LadderConfig:
     tokens_per_param: float = field(
         20.0, gt=0, help="the ratio D/N the grid centres on (Chinchilla: about 20)"
     )
+    min_tokens_per_param: float = field(
+        1.0,
+        ge=0,
+        help="isoflop: no run trains fewer tokens per parameter (below 1 a run sees fewer tokens than the N "
+        "its warmup rule asks for: it learns little and distorts fits)",
+    )
+    max_tokens_per_param: float = field(
+        300.0,
+        gt=0,
+        help="isoflop: no run trains more tokens per parameter (15x the target of 20, far past an IsoFLOP "
+        "minimum; at 300 the default ladder's depth 1 reads its 29M training bytes once)",
+    )
     sizes: int = field(3, ge=1, help="isoflop: model sizes (depths) per budget")
     min_depth: int = field(1, ge=1, help="smallest model.depth the planner may use")
     max_depth: int = field(32, ge=1, help="largest model.depth the planner may use")
@@ -54,6 +88,12 @@ class LadderConfig:
         None, ge=2, help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data"
     )
     seeds: int = field(1, ge=1, help="seeds of every run (train.seed, train.seed+1, ...)")
+    noise_seeds: int = field(
+        3,
+        ge=1,
+        help="isoflop: seeds of the smallest budget's runs, to measure seed noise (3: two repeats, so the "
+        "pooled spread has 2 degrees of freedom per size; 1: none)",
+    )
     lr_width_exponent: float = field(0.5, help="peak lr = optim.lr * (d_ref / d_model) ** this")
     min_steps: int = field(100, ge=1, help="halve the batch until a run has at least this many steps")
     warmup_tokens_per_param: float = field(1.0, help="warmup lasts this many tokens per parameter")
@@ -81,6 +121,11 @@ class LadderConfig:
                 raise ConfigError(f"ladder.budgets[{i}]: must be a positive number of FLOPs, got {b}")
         if self.max_depth < self.min_depth:
             raise ConfigError(f"ladder.max_depth: {self.max_depth} is below min_depth {self.min_depth}")
+        if not self.min_tokens_per_param <= self.tokens_per_param <= self.max_tokens_per_param:
+            raise ConfigError(
+                f"ladder.tokens_per_param: {self.tokens_per_param:g} is outside min_tokens_per_param.."
+                f"max_tokens_per_param ({self.min_tokens_per_param:g}..{self.max_tokens_per_param:g})"
+            )
 
 
 @dataclass
@@ -164,20 +209,14 @@ def plan_ladder(base: RunConfig, lc: LadderConfig, tag: str = "base") -> list[Pl
     shapes = {d: shape_for_depth(base.model, d, vocab) for d in range(lc.min_depth, lc.max_depth + 1)}
     counts = {d: count_params(m) for d, m in shapes.items()}
     fpt = {d: flops_per_token(m) for d, m in shapes.items()}
-    seq_len = base.model.seq_len
     runs: list[PlannedRun] = []
     for budget in lc.budgets:
-        # log distance of each depth's tokens-per-parameter from the target ratio at this budget
-        dist = {d: abs(math.log(budget / fpt[d] / counts[d].total / lc.tokens_per_param)) for d in shapes}
-        best = min(dist, key=lambda d: dist[d])
-        if lc.grid == "ratio":
-            depths = [best]
-        else:
-            k = min(lc.sizes, len(shapes))
-            lo = max(lc.min_depth, min(best - (k - 1) // 2, lc.max_depth - k + 1))
-            depths = list(range(lo, lo + k))
-        for depth in depths:
-            for s in range(lc.seeds):
+        ratio = {d: _batch_and_steps(base, lc, budget / fpt[d])[2] / counts[d].total for d in shapes}
+        seeds = lc.seeds
+        if lc.grid == "isoflop" and budget == min(lc.budgets):
+            seeds = max(seeds, lc.noise_seeds)
+        for depth in _window(budget, ratio, lc):
+            for s in range(seeds):
                 runs.append(
                     _plan_run(
                         base,
@@ -188,12 +227,69 @@ def plan_ladder(base: RunConfig, lc: LadderConfig, tag: str = "base") -> list[Pl
                         shapes[depth],
                         counts[depth],
                         fpt[depth],
-                        seq_len,
                         ref_width,
                         base.train.seed + s,
+                        seeds > 1,
                     )
                 )
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(
+            f"ladder.budgets: {twice[0]} is planned twice; give distinct budgets (names keep 3 digits)"
+        )
     return runs
+
+
+def _window(budget: float, ratio: dict[int, float], lc: LadderConfig) -> list[int]:
+    """The depths of one budget, given each depth's tokens per parameter there (they fall with depth)."""
+    dist = {d: abs(math.log(r / lc.tokens_per_param)) for d, r in ratio.items()}
+    if lc.grid == "ratio":
+        return [min(dist, key=lambda d: dist[d])]
+    admissible = [d for d, r in ratio.items() if lc.min_tokens_per_param <= r <= lc.max_tokens_per_param]
+    if not admissible:
+        raise ConfigError(_no_admissible_depth(budget, ratio, lc))
+    best = min(admissible, key=lambda d: dist[d])
+    k = min(lc.sizes, len(admissible))
+    # an even window puts its extra depth on the side of the target ratio that `best` misses
+    lo = best - (k - 1) // 2 - (1 if k % 2 == 0 and ratio[best] < lc.tokens_per_param else 0)
+    lo = max(min(admissible), min(lo, max(admissible) - k + 1))
+    return list(range(lo, lo + k))
+
+
+def _no_admissible_depth(budget: float, ratio: dict[int, float], lc: LadderConfig) -> str:
+    """Why no depth trains between min_tokens_per_param and max_tokens_per_param at `budget`."""
+    low, high = min(ratio), max(ratio)
+    head = f"ladder.budgets: {budget:.3g} FLOPs"
+    if ratio[low] < lc.min_tokens_per_param:
+        return (
+            f"{head} buys depth {low} only {ratio[low]:.2g} tokens per parameter (below "
+            f"ladder.min_tokens_per_param {lc.min_tokens_per_param:g}); raise the budget or lower "
+            "ladder.min_tokens_per_param or ladder.min_depth"
+        )
+    if ratio[high] > lc.max_tokens_per_param:
+        return (
+            f"{head} gives depth {high} {ratio[high]:.3g} tokens per parameter (above "
+            f"ladder.max_tokens_per_param {lc.max_tokens_per_param:g}); lower the budget or raise "
+            "ladder.max_tokens_per_param or ladder.max_depth"
+        )
+    above = max(d for d, r in ratio.items() if r > lc.max_tokens_per_param)
+    return (
+        f"{head} gives depth {above} {ratio[above]:.3g} tokens per parameter (above "
+        f"ladder.max_tokens_per_param {lc.max_tokens_per_param:g}) and depth {above + 1} "
+        f"{ratio[above + 1]:.2g} (below ladder.min_tokens_per_param {lc.min_tokens_per_param:g}); move the "
+        "budget or widen that range"
+    )
+
+
+def _batch_and_steps(base: RunConfig, lc: LadderConfig, tokens_wanted: float) -> tuple[int, int, int]:
+    """(sequences per step, steps, tokens) of a run that wants `tokens_wanted` tokens."""
+    seq_len = base.model.seq_len
+    sequences = _base_sequences(base)
+    while sequences > 1 and tokens_wanted / (sequences * seq_len) < lc.min_steps:
+        sequences //= 2
+    steps = max(1, round(tokens_wanted / (sequences * seq_len)))
+    return sequences, steps, steps * sequences * seq_len
 
 
 def _plan_run(
@@ -205,31 +301,27 @@ def _plan_run(
     model: ModelConfig,
     count: Any,
     fpt: int,
-    seq_len: int,
     ref_width: int,
     seed: int,
+    seed_in_name: bool,
 ) -> PlannedRun:
     tokens_wanted = budget / fpt
-    sequences = _base_sequences(base)
-    micro = base.train.micro_batch
-    while sequences > 1 and tokens_wanted / (sequences * seq_len) < lc.min_steps:
-        sequences //= 2
-    steps = max(1, round(tokens_wanted / (sequences * seq_len)))
+    seq_len = base.model.seq_len
+    sequences, steps, tokens = _batch_and_steps(base, lc, tokens_wanted)
     if tokens_wanted / (sequences * seq_len) < lc.min_steps / 2:
         raise ConfigError(
             f"ladder.budgets: {budget:.3g} FLOPs buys depth {depth} only {tokens_wanted:.0f} tokens "
             f"(< {lc.min_steps // 2} steps of one sequence); raise the budget or lower ladder.min_depth/"
             "ladder.sizes"
         )
-    micro = min(micro, sequences)
+    micro = min(base.train.micro_batch, sequences)
     while sequences % micro:
         micro -= 1
-    tokens = steps * sequences * seq_len
     assert model.d_model is not None
     lr = base.optim.lr * (ref_width / model.d_model) ** lc.lr_width_exponent
     warmup = math.ceil(lc.warmup_tokens_per_param * count.total / (sequences * seq_len))
     warmup = max(1, min(warmup, int(lc.max_warmup_fraction * steps)))
-    name = f"{tag}-C{_format_budget(budget)}-d{depth}" + (f"-s{seed}" if lc.seeds > 1 else "")
+    name = f"{tag}-C{_format_budget(budget)}-d{depth}" + (f"-s{seed}" if seed_in_name else "")
     cfg = dataclasses.replace(
         base,
         checkpoint=dataclasses.replace(
@@ -275,8 +367,148 @@ def _plan_run(
     )
 
 
-def format_plan(plan: list[PlannedRun], seconds: dict[str, float] | None = None) -> str:
-    """A table of the plan: shape, parameters, tokens, FLOPs, batch, lr and (optionally) time."""
+@dataclass
+class BudgetCheck:
+    """What one budget's runs cover: their depths and D/N, and whether they bracket the target ratio."""
+
+    budget: float
+    depths: list[int]
+    tokens_per_param: list[float]
+    """D/N of each depth, in depth order."""
+    seeds: int
+    """Seeds of each depth (`noise_seeds` at an isoflop ladder's smallest budget)."""
+    target: float
+    brackets: bool
+    """A depth trains at least the target D/N and one at most it, so an IsoFLOP minimum near the target
+    lies inside the sizes tried."""
+    why_not: str
+    """Why the runs do not bracket the target ('' when they do)."""
+
+    def record(self) -> dict[str, Any]:
+        """The check as plain data."""
+        return dataclasses.asdict(self)
+
+
+def plan_checks(plan: list[PlannedRun], lc: LadderConfig) -> list[BudgetCheck]:
+    """Per budget of `plan`: its depths, their tokens per parameter, and whether they bracket
+    `lc.tokens_per_param` (and if not, which limit stops the depth that would)."""
+    out = []
+    for budget in dict.fromkeys(r.budget for r in plan):
+        runs = {r.depth: r for r in plan if r.budget == budget}
+        depths = sorted(runs)
+        ratios = [runs[d].tokens_per_param for d in depths]
+        target = lc.tokens_per_param
+        brackets = max(ratios) >= target >= min(ratios)
+        why = ""
+        if not brackets and lc.grid == "ratio":
+            why = "the ratio grid trains one size per budget"
+        elif not brackets:
+            more = min(ratios) > target
+            side = depths[-1] + 1 if more else depths[0] - 1
+            why = f"every size trains {'more' if more else 'fewer'} than {target:g} tokens per parameter; "
+            why += _why_not_depth(runs[depths[0]].config, lc, budget, side)
+        seeds = len([r for r in plan if r.budget == budget and r.depth == depths[0]])
+        out.append(BudgetCheck(budget, depths, ratios, seeds, target, brackets, why))
+    return out
+
+
+def _why_not_depth(cfg: RunConfig, lc: LadderConfig, budget: float, depth: int) -> str:
+    """Why `depth` is not among the budget's sizes (the limit that excludes it)."""
+    if depth < 1:
+        return "depth 1 is the smallest model"
+    if depth < lc.min_depth:
+        return f"depth {depth} is below ladder.min_depth {lc.min_depth}"
+    if depth > lc.max_depth:
+        return f"depth {depth} is above ladder.max_depth {lc.max_depth}"
+    model = shape_for_depth(cfg.model, depth, vocab_size_of(cfg))
+    ratio = budget / flops_per_token(model) / count_params(model).total
+    if ratio < lc.min_tokens_per_param:
+        return (
+            f"depth {depth} would train {ratio:.2g} tokens per parameter "
+            f"(< ladder.min_tokens_per_param {lc.min_tokens_per_param:g})"
+        )
+    if ratio > lc.max_tokens_per_param:
+        return (
+            f"depth {depth} would train {ratio:.3g} tokens per parameter "
+            f"(> ladder.max_tokens_per_param {lc.max_tokens_per_param:g})"
+        )
+    return f"ladder.sizes {lc.sizes} leaves out depth {depth} ({ratio:.3g} tokens per parameter)"
+
+
+def format_checks(checks: list[BudgetCheck], lc: LadderConfig) -> str:
+    """The plan table's footer: per budget, the depths, their D/N and whether they bracket the target."""
+    lines = [
+        f"target {lc.tokens_per_param:g} tokens per parameter; isoflop sizes train "
+        f"{lc.min_tokens_per_param:g}..{lc.max_tokens_per_param:g}:"
+    ]
+    for c in checks:
+        span = f"d{c.depths[0]}" + (f"-{c.depths[-1]}" if len(c.depths) > 1 else "")
+        ratios = "/".join(f"{r:.3g}" for r in c.tokens_per_param)
+        seeds = f" x{c.seeds} seeds" if c.seeds > 1 else ""
+        verdict = "brackets it" if c.brackets else f"does not bracket it: {c.why_not}"
+        lines.append(f"  C={_format_budget(c.budget):<8} {span:<6} D/N {ratios:<18}{seeds:<10} {verdict}")
+    return "\n".join(lines)
+
+
+def minimum_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """After the runs: per budget, where tenx.scaling.fit.frontier.isoflop_minima puts the held-out loss
+    minimum, in tokens per parameter, and whether it lies inside the sizes tried (`inside`: True, False, or
+    None when there is no minimum); `message` says what to change when it does not."""
+    import numpy as np
+
+    from tenx.scaling.fit.frontier import isoflop_minima
+    from tenx.scaling.table import Points
+
+    def column(key: str) -> np.ndarray:
+        return np.array([float(r[key]) for r in rows])
+
+    points = Points(
+        N=column("params"),
+        D=column("tokens"),
+        L=column("heldout_loss"),
+        C=column("flops"),
+        U=column("unique_tokens"),
+        budget=column("budget"),
+    )
+    minima = isoflop_minima(points)
+    out = []
+    for b in minima["budgets"]:
+        mine = [r for r in rows if r["budget"] == b["C"]]
+        # D/N against log N is a line at one budget (D = C/F, F about proportional to N): read it at N_opt
+        slope, intercept = np.polyfit(
+            np.log([r["params"] for r in mine]), np.log([r["tokens_per_param"] for r in mine]), 1
+        )
+        ratio = float(math.exp(intercept + slope * math.log(b["N_opt"])))
+        message = (
+            f"C={_format_budget(b['C'])}: minimum at {b['N_opt']:.3g} parameters, {ratio:.3g} tokens per "
+            "parameter"
+        )
+        if b["extrapolated"]:
+            low, high = (int(f(r["params"] for r in mine)) for f in (min, max))
+            message += (
+                f", outside the sizes tried ({low:,}..{high:,} parameters): the parabola's guess, not a "
+                "measurement; centre the next ladder nearer it (ladder.tokens_per_param) or add a size there"
+            )
+        out.append(
+            {"budget": b["C"], "inside": not b["extrapolated"], "tokens_per_param": ratio, "message": message}
+        )
+    for b in minima["skipped"]:
+        out.append(
+            {
+                "budget": b["C"],
+                "inside": None,
+                "tokens_per_param": None,
+                "message": f"C={_format_budget(b['C'])}: no IsoFLOP minimum ({b['reason']})",
+            }
+        )
+    return sorted(out, key=lambda m: m["budget"])
+
+
+def format_plan(
+    plan: list[PlannedRun], seconds: dict[str, float] | None = None, footer: str | None = None
+) -> str:
+    """A table of the plan: shape, parameters, tokens, FLOPs, batch, lr, (optionally) time and a footer
+    (`format_checks`)."""
     head = (
         f"{'run':<26} {'depth':>5} {'d':>4} {'params':>9} {'non-emb':>9} {'tokens':>10} {'D/N':>6} "
         f"{'FLOPs':>9} {'steps':>6} {'batch':>5} {'lr':>8} {'warmup':>6}"
@@ -298,6 +530,8 @@ def format_plan(plan: list[PlannedRun], seconds: dict[str, float] | None = None)
     if seconds is not None:
         tail += f", about {_fmt_s(sum(seconds.values()))} on this machine (measured step times)"
     lines.append(tail)
+    if footer:
+        lines.append(footer)
     return "\n".join(lines)
 
 
