@@ -16,7 +16,7 @@ parameters).
 The last line is JSON with ladder_final_max_err, ladder_curve_max_err, schedule_max_err,
 self_extrapolation_err, gadre_c4_max_err, interval_coverage (errors as fractions) and the baselines'.
 
-    python bench/predict_accuracy.py              # about 2 minutes on 2 CPU cores
+    python bench/predict_accuracy.py              # about 30 s on 2 CPU cores
 """
 
 from __future__ import annotations
