@@ -21,16 +21,7 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
     val = [r for r in records if "val_loss" in r]
     if val:
         ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", ms=3, label="validation")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png)
-    plt.close(fig)
-    return out_png
+    return _save(fig, ax, "tokens", "loss (nats/token)", title, out_png)
 
 
 def plot_prediction(
@@ -72,8 +63,15 @@ def plot_prediction(
     lo = min(prediction.lower)
     hi = max(prediction.upper[len(prediction.upper) // 10 :] or prediction.upper)
     ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.15 * (hi - lo))
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    return _save(fig, ax, "step", "training loss (nats/token)", title, out_png)
+
+
+def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path) -> Path:
+    """Label, grid and legend the axes, write the figure as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
