@@ -33,6 +33,7 @@ from tenx.monitor.plots import plot_loss_curve
 from tenx.plan.hardware import cpu_name, pick_device, resolve_precision
 from tenx.scaling.ladder import measure_tokens_per_s
 from tenx.train.config import load_run_config, resolve_config_path
+from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.run import train
 from tenx.utils.io import atomic_write_json
 
@@ -163,7 +164,8 @@ def _plan(
     print(f"[2/4] measuring this machine's training speed ({cpu_name()}, {precision} matmuls)")
     manifest = read_manifest(data_dir)
     heldout_tokens = int(manifest["splits"]["heldout"]["tokens"])
-    tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
+    tokens_per_step = run_tokens_per_step(cfg.train, cfg.model.seq_len, 1)
+    started = time.perf_counter() - spent_s  # when the quickstart began
 
     def fit(run_cfg: Any) -> tuple[int, float]:
         """(steps the budget allows, tokens/s) for run_cfg on this machine."""
@@ -175,7 +177,6 @@ def _plan(
         # the loop's own work (validation, checkpoints, logging) takes about this share of a run's steps
         return int(_LOOP_EFFICIENCY * train_s * tokens_per_s / tokens_per_step), tokens_per_s
 
-    started = time.perf_counter() - spent_s
     fitted, tokens_per_s = fit(cfg)
     cap = cfg.train.steps or fitted
     shape_settings: list[str] = []
@@ -191,7 +192,7 @@ def _plan(
             f"steps: measuring depth {small.model.depth}, about twice as fast"
         )
         fitted, tokens_per_s = fit(small)
-        cap, cfg = 2 * cap, small
+        cap, cfg = small.train.steps or cap, small
     chosen = max(_MIN_STEPS, min(cap, fitted))
     every = max(1, chosen // 5)
     plan = {

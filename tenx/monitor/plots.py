@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,10 @@ def plot_prediction(
             losses = [r["loss"] for r in records]
             ax.plot(steps, losses, lw=0.5, alpha=0.35, color="tab:gray", label="actual (per step)")
             half = max(1, prediction.window) // 2  # centred, as the law's smoothed points are
+            sums = [0.0, *itertools.accumulate(losses)]
             smooth = [
-                sum(losses[max(0, i - half) : i + half + 1]) / len(losses[max(0, i - half) : i + half + 1])
+                (sums[min(len(losses), i + half + 1)] - sums[max(0, i - half)])
+                / (min(len(losses), i + half + 1) - max(0, i - half))
                 for i in range(len(losses))
             ]
             ax.plot(steps, smooth, lw=1.2, color="black", label=f"actual (mean of {2 * half + 1} steps)")

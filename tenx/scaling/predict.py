@@ -29,27 +29,10 @@ from tenx.scaling.curve import (
     read_curves,
     schedule_from_config,
 )
-from tenx.train.config import RunConfig
+from tenx.train.config import RunConfig, tokens_per_step, total_steps
 
 PREDICTION = "prediction.json"
 PREDICTION_PNG = "prediction.png"
-
-
-def tokens_per_step_of(cfg: RunConfig, world_size: int = 1) -> int:
-    """Tokens one optimizer step of `cfg` trains (global batch if set, else micro x accum x ranks)."""
-    sequences = cfg.train.global_batch or cfg.train.micro_batch * cfg.train.grad_accum * world_size
-    return int(sequences * cfg.model.seq_len)
-
-
-def total_steps_of(cfg: RunConfig, tokens_per_step: int) -> int:
-    """The optimizer steps `cfg` runs (train.steps, or train.tokens at this batch)."""
-    if cfg.train.steps:
-        return int(cfg.train.steps)
-    if cfg.train.tokens:
-        return max(1, round(cfg.train.tokens / tokens_per_step))
-    raise ConfigError(
-        "train.steps: the config sets neither train.steps nor train.tokens; a schedule needs a length"
-    )
 
 
 def params_of(cfg: RunConfig) -> int:
@@ -83,6 +66,7 @@ def _to_prediction(
 
 
 def _window(steps: int, windows: int) -> int:
+    """Steps per smoothing window when `steps` are cut into `windows` (fit_curves: 48, extrapolate_run: 24)."""
     return max(1, steps // max(1, windows))
 
 
@@ -107,8 +91,8 @@ def predict_from_ladder(
         )
     curves = read_curves(runs)
     fit = fit_curves(curves, law, bootstrap=bootstrap)
-    tps = tokens_per_step_of(cfg, world_size)
-    steps = total_steps_of(cfg, tps)
+    tps = tokens_per_step(cfg.train, cfg.model.seq_len, world_size)
+    steps = total_steps(cfg.train, tps)
     schedule = schedule_from_config(cfg.optim, steps, tps)
     params = params_of(cfg)
     cp = predict_curve(fit, schedule, params)
@@ -127,7 +111,7 @@ def predict_from_ladder(
 
 
 def predict_from_run(
-    run_dir: str | Path, *, law: str = DEFAULT_LAW, bootstrap: int = 20
+    run_dir: str | Path, *, law: str = EXTRAPOLATION_LAW, bootstrap: int = 20
 ) -> tuple[Prediction, Any]:
     """Extrapolate a run from its curve so far to its last step (its config's schedule)."""
     from tenx.scaling.curve import curve_from_run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -175,6 +176,16 @@ def accumulation_steps(train: TrainConfig, data_parallel: int) -> int:
             "train.global_batch or train.micro_batch"
         )
     return train.global_batch // per_micro
+
+
+def tokens_per_step(train: TrainConfig, seq_len: int, data_parallel: int) -> int:
+    """Tokens one optimizer step trains over all `data_parallel` ranks."""
+    return train.micro_batch * accumulation_steps(train, data_parallel) * data_parallel * seq_len
+
+
+def total_steps(train: TrainConfig, tokens_per_step: int) -> int:
+    """Optimizer steps of the run: train.steps, or train.tokens rounded up to whole steps."""
+    return train.steps if train.steps is not None else math.ceil((train.tokens or 0) / tokens_per_step)
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

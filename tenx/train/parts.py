@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,8 @@ from tenx.parallel.distributed import DistEnv, dist_env, rank_device, wrap_model
 from tenx.plan.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.rundir import RunDir
 from tenx.train.config import RunConfig, accumulation_steps
+from tenx.train.config import tokens_per_step as run_tokens_per_step
+from tenx.train.config import total_steps as run_total_steps
 from tenx.train.guard import StepGuard
 from tenx.train.optim import build_optimizer
 from tenx.train.rng import seed_everything
@@ -144,8 +145,8 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
     raw_model = Transformer(model_cfg).to(device)
     model, strategy = wrap_model(raw_model, cfg.parallel, device, env.world_size)
     optimizer = build_optimizer(raw_model, cfg.optim, device)
-    tokens_per_step = tc.micro_batch * grad_accum * data_parallel * model_cfg.seq_len
-    total_steps = tc.steps if tc.steps is not None else math.ceil((tc.tokens or 0) / tokens_per_step)
+    tokens_per_step = run_tokens_per_step(tc, model_cfg.seq_len, data_parallel)
+    total_steps = run_total_steps(tc, tokens_per_step)
 
     # Data skipped after rollbacks, kept beside the checkpoints so that a resume from a checkpoint older
     # than the rollback skips the same data: the run stays reproducible.
