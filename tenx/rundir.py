@@ -11,6 +11,9 @@ RUN_DIR/
   data_skips.json      data skipped after rollbacks (a resume from an older checkpoint skips it too)
   eval.json            the last `tenx eval` report
   loss_curve.png       the loss curve (quickstart, ladder runs)
+  prediction.json      the predicted loss curve the run is watched against (tenx predict; monitor.prediction)
+  prediction.png       its plot
+  extrapolation/       prediction.json and .png of `tenx predict --run` (the run from its own curve)
   stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
   tensorboard/         TensorBoard scalars
   checkpoints/         step_XXXXXXXX/ checkpoints (tenx.checkpoint)
@@ -34,6 +37,9 @@ LEDGER = "ledger.jsonl"
 DATA_SKIPS = "data_skips.json"
 EVAL = "eval.json"
 LOSS_CURVE = "loss_curve.png"
+PREDICTION = "prediction.json"
+PREDICTION_PNG = "prediction.png"
+EXTRAPOLATION = "extrapolation"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -85,6 +91,18 @@ class RunDir:
     @property
     def loss_curve(self) -> Path:
         return self.root / LOSS_CURVE
+
+    @property
+    def prediction(self) -> Path:
+        return self.root / PREDICTION
+
+    @property
+    def prediction_png(self) -> Path:
+        return self.root / PREDICTION_PNG
+
+    @property
+    def extrapolation(self) -> Path:
+        return self.root / EXTRAPOLATION
 
     @property
     def tensorboard(self) -> Path:

@@ -15,6 +15,7 @@ from tenx.scaling.curve import (
     DEFAULT_LAW,
     PROGRESS_UNIT,
     Curve,
+    budget_groups,
     curve_error,
     curve_from_records,
     curve_from_run,
@@ -23,6 +24,7 @@ from tenx.scaling.curve import (
     fit_from_params,
     predict_curve,
     prior_from,
+    protocol,
     schedule_from_config,
     schedule_from_lr,
 )
@@ -131,6 +133,62 @@ def test_the_size_law_is_recovered_across_three_sizes_and_predicts_a_fourth():
     s = _schedule("linear")
     truth = predict_curve(fit_from_params("tissue", params, sizes), s, 8e6).loss
     assert np.max(np.abs(np.array(predict_curve(fit, s, 8e6).loss) / truth - 1)) < 0.005
+
+
+# ----- validation curves and ladder budgets ----------------------------------------------------------
+def _val_records(truth, s, every: int) -> list[dict]:
+    """Metrics records of a run logging its validation loss (from `truth`) every `every` steps."""
+    p = predict_curve(truth, s, 1e6)
+    val = dict(zip(p.steps, p.loss))
+    return [
+        {"step": st, "tokens": 4096 * st, "lr": s.lr[st - 1], "loss": 5.0}
+        | ({"val_loss": val[st]} if st % every == 0 and st in val else {})
+        for st in range(1, s.steps + 1)
+    ]
+
+
+def test_a_validation_curve_keeps_the_sparse_val_loss_records_and_a_fit_recovers_the_law():
+    s = _schedule("cosine", 400)
+    params = {"L0": 1.5, "A": 1.0, "alpha": 0.4}
+    records = _val_records(fit_from_params("power", params, [1e6]), s, 20)
+    c = curve_from_records(records, "val", 1e6, s, quantity="val_loss")
+    assert c.quantity == "val_loss" and list(c.steps) == list(range(60, 401, 20))
+    fit = fit_curves([c], "power", bootstrap=0)
+    got = {k.split("[")[0]: v for k, v in fit.params.items()}
+    for name, value in params.items():
+        assert got[name] == pytest.approx(value, rel=0.01), name
+    # each validation record is a point of its own (no batch noise to average): a window may hold one
+    from tenx.scaling.curve.fitting import windows_of
+
+    assert len(windows_of(c, 48)) > len(c.steps) // 2
+    with pytest.raises(DataError, match=r"curve none: no records with val_loss \(train.eval_every 0\?\)"):
+        no_val = [{k: v for k, v in r.items() if k != "val_loss"} for r in records]
+        curve_from_records(no_val, "none", 1e6, s, quantity="val_loss")
+    with pytest.raises(ConfigError, match="a val_loss curve needs the run's schedule"):
+        curve_from_records(records, "bare", 1e6, quantity="val_loss")
+    with pytest.raises(ConfigError, match="quantity 'eval' is not one of loss, val_loss"):
+        curve_from_records(records, "odd", 1e6, s, quantity="eval")
+
+
+def test_runs_with_flops_group_into_budgets_and_the_top_budget_is_held_out():
+    s = _schedule("cosine", 200)
+    steps, loss = np.arange(60, 201), np.linspace(3, 2, 141)
+
+    def curve(name, params, flops):
+        return Curve(name, params, s, steps, loss, flops=flops)
+
+    curves = [
+        curve("C1-d1", 1e5, 1.00e12),
+        curve("C1-d2", 5e5, 1.02e12),  # within 5%: the same rung
+        curve("C2-d1", 1e5, 1.6e12),
+        curve("C3-d2", 5e5, 2.5e12),
+        curve("C3-d3", 1.5e6, 2.6e12),
+        curve("stored", 1e5, None),  # no run.json: no budget
+    ]
+    assert budget_groups(curves) == [["C1-d1", "C1-d2"], ["C2-d1"], ["C3-d2", "C3-d3"]]
+    split = protocol(curves)["leave_largest_budget_out"]
+    assert split == {"train": ["C1-d1", "C1-d2", "C2-d1"], "test": ["C3-d2", "C3-d3"]}
+    assert "leave_largest_budget_out" not in protocol(curves[:2])
 
 
 # ----- the real runs ---------------------------------------------------------------------------------

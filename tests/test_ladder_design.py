@@ -46,10 +46,12 @@ def test_default_ladder_is_admissible_spans_10x_and_brackets_where_depths_allow(
     assert (
         "depth 2 would train 0.93 tokens per parameter (< ladder.min_tokens_per_param 1)" in checks[0].why_not
     )
-    assert all(c.brackets and c.why_not == "" for c in checks[1:])
-    assert checks[-1].depths == [1, 2, 3] and all(c.depths == [1, 2] for c in checks[1:-1])
+    assert all(c.brackets and c.why_not == "" for c in checks[1:-1])
+    assert checks[-2].depths == [1, 2, 3] and all(c.depths == [1, 2] for c in checks[1:-2])
+    # the top rung trains only depths that the rungs below it train too (leave-largest-budget-out)
+    assert checks[-1].depths == [2, 3] and not checks[-1].brackets
     footer = format_checks(checks, lc)
-    assert footer.count("brackets it") == 5 and "does not bracket it" in footer
+    assert footer.count("brackets it") == 5 and footer.count("does not bracket it") == 2
 
 
 def test_windows_are_shifted_and_trimmed_to_the_admissible_depths(base):
@@ -173,3 +175,11 @@ def test_plan_checks_record_is_plain_data(base):
     (check,) = plan_checks(plan_ladder(base, lc), lc)
     assert dataclasses.asdict(check) == check.record()
     assert check.record()["depths"] == [1, 2] and check.record()["brackets"] is True
+
+
+def test_ladder_runs_log_their_validation_curve_evals_per_run_times(base):
+    plan = plan_ladder(base, LadderConfig(budgets=[4.3e12], noise_seeds=1))
+    for run in plan:
+        assert run.config.train.eval_every == -(-run.steps // 20)
+    off = plan_ladder(base, LadderConfig(budgets=[4.3e12], noise_seeds=1, evals_per_run=0))
+    assert all(r.config.train.eval_every == 0 for r in off)

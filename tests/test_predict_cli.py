@@ -53,7 +53,8 @@ def test_a_run_extrapolated_from_its_first_30_percent(tmp_path, capsys, run):
     (part / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= 900))
     assert main(["predict", "--run", str(part), "--bootstrap", "10"]) == 0
     assert "from the first 900 steps" in capsys.readouterr().out
-    prediction = read_prediction(part / "prediction.json")
+    prediction = read_prediction(part / "extrapolation" / "prediction.json")
+    assert not (part / "prediction.json").exists()  # the run's watched prediction is never overwritten
     actual = _final_mean(run, 150)
     assert prediction.step[-1] == 3000 and prediction.source["upto_step"] == 900
     assert abs(prediction.final["loss"] / actual - 1) < 0.025

@@ -491,6 +491,19 @@ def format_status(run_dir: str | Path) -> str:
         if validated is not None:
             text += f" | val_loss {_number(validated['val_loss'])} (step {validated.get('step')})"
         lines.append(f"metrics     {text}")
+        watched = next((r for r in reversed(metrics) if "pred_dev" in r), None)
+        if watched is not None:
+            lines.append(
+                f"prediction  step {watched.get('step')}: {_number(watched.get('pred_actual'))} vs predicted "
+                f"{_number(watched.get('pred_loss'))} ({_number(watched.get('pred_lower'))} .. "
+                f"{_number(watched.get('pred_upper'))}), {watched['pred_dev']:+.1f} band half-widths"
+            )
+        final = next((r for r in reversed(metrics) if "pred_final_self" in r), None)
+        if final is not None:
+            text = f"final loss {_number(final['pred_final_self'])} from its own curve (step {final.get('step')})"
+            if "pred_final" in final:
+                text += f", predicted {_number(final['pred_final'])}"
+            lines.append(f"            {text}")
     else:
         lines.append("metrics     none yet (no metrics.jsonl)")
 

@@ -29,18 +29,23 @@ def plot_prediction(
     prediction: Any, out_png: str | Path, metrics_path: str | Path | None = None, title: str = ""
 ) -> Path:
     """A predicted loss curve (tenx.monitor.prediction.Prediction) with its band, and, if a run's
-    metrics.jsonl is given, its actual training loss smoothed over the prediction's window."""
+    metrics.jsonl is given, its actual loss: the training loss smoothed over the prediction's window, or
+    the validation losses as points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    val = prediction.quantity == "val_loss"
+    column = "val_loss" if val else "loss"
     if metrics_path is not None and Path(metrics_path).is_file():
-        records = [r for r in read_metrics(metrics_path) if "loss" in r and "step" in r]
-        if records:
-            steps = [r["step"] for r in records]
-            losses = [r["loss"] for r in records]
+        records = [r for r in read_metrics(metrics_path) if column in r and "step" in r]
+        steps = [r["step"] for r in records]
+        losses = [r[column] for r in records]
+        if records and val:
+            ax.plot(steps, losses, "o", ms=3, color="black", label="actual validation loss")
+        elif records:
             ax.plot(steps, losses, lw=0.5, alpha=0.35, color="tab:gray", label="actual (per step)")
             half = max(1, prediction.window) // 2  # centred, as the law's smoothed points are
             sums = [0.0, *itertools.accumulate(losses)]
@@ -66,7 +71,8 @@ def plot_prediction(
     lo = min(prediction.lower)
     hi = max(prediction.upper[len(prediction.upper) // 10 :] or prediction.upper)
     ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.15 * (hi - lo))
-    return _save(fig, ax, "step", "training loss (nats/token)", title, out_png)
+    what = "validation" if val else "training"
+    return _save(fig, ax, "step", f"{what} loss (nats/token)", title, out_png)
 
 
 def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path) -> Path:

@@ -294,6 +294,9 @@ def estimate_seconds(plan: list[PlannedRun], lc: LadderConfig) -> dict[str, floa
             speed[shape] = measure_tokens_per_s(run.config, run.config.train.micro_batch)
         # forward-only evaluation is about 3x faster per token than a training step
         eval_tokens = 2 * lc.eval_bytes / _bytes_per_token(run.config) if lc.eval_bytes else 0.0
+        tc = run.config.train
+        if tc.eval_every:  # the validation losses logged during the run
+            eval_tokens += -(-tc.steps // tc.eval_every) * tc.eval_batches * tc.micro_batch * run.seq_len
         out[run.name] = run.tokens / speed[shape] + eval_tokens / (3 * speed[shape])
     return out
 

@@ -31,8 +31,8 @@ from tenx.scaling.curve import (
 )
 from tenx.train.config import RunConfig, tokens_per_step, total_steps
 
-PREDICTION = "prediction.json"
-PREDICTION_PNG = "prediction.png"
+PREDICTION = rundir.PREDICTION
+PREDICTION_PNG = rundir.PREDICTION_PNG
 
 
 def params_of(cfg: RunConfig) -> int:
@@ -49,10 +49,15 @@ def params_of(cfg: RunConfig) -> int:
     return count_params(cfg.model.resolved(vocab)).total
 
 
+QUANTITIES = {"loss": "train_loss", "val_loss": "val_loss"}
+"""Metrics column -> prediction.json's `quantity`: the training loss (smoothed) or the validation loss."""
+
+
 def _to_prediction(
-    cp: CurvePrediction, window: int, source: dict[str, Any], target: dict[str, Any]
+    cp: CurvePrediction, window: int, source: dict[str, Any], target: dict[str, Any], quantity: str = "loss"
 ) -> Prediction:
     return Prediction(
+        quantity=QUANTITIES[quantity],
         step=cp.steps,
         tokens=[int(round(t)) for t in cp.tokens],
         loss=cp.loss,
@@ -78,8 +83,10 @@ def predict_from_ladder(
     world_size: int = 1,
     bootstrap: int = 30,
     config_name: str = "",
+    quantity: str = "auto",
 ) -> tuple[Prediction, Any]:
-    """Fit `law` to every run of the ladder in `ladder_dir` (its runs/ folder) and predict `cfg`'s curve.
+    """Fit `law` to every run of the ladder in `ladder_dir` (its runs/ folder) and predict `cfg`'s curve
+    of `quantity` (`ladder_curves`: `auto` takes the validation loss when every run logged enough of it).
 
     Returns (prediction, the fit). The band combines the fit's bootstrap and the scatter of the ladder's
     smoothed curves about it (seed and data-order noise included)."""
@@ -89,7 +96,7 @@ def predict_from_ladder(
         raise TenxError(
             f"{ladder_dir}: not a ladder directory (no runs/ folder); run `tenx ladder --out {ladder_dir}` first"
         )
-    curves = read_curves(runs)
+    curves = ladder_curves(runs, quantity)
     fit = fit_curves(curves, law, bootstrap=bootstrap)
     tps = tokens_per_step(cfg.train, cfg.model.seq_len, world_size)
     steps = total_steps(cfg.train, tps)
@@ -107,21 +114,43 @@ def predict_from_ladder(
         "window_sigma": fit.window_sigma,
     }
     target = {"config": config_name, "steps": steps, "tokens_per_step": tps, "world_size": world_size}
-    return _to_prediction(cp, _window(steps, 48), source, target), fit
+    q = curves[0].quantity
+    window = _window(steps, 48) if q == "loss" else 1
+    return _to_prediction(cp, window, source, target, q), fit
+
+
+def ladder_curves(runs: Path, quantity: str = "auto") -> list[Any]:
+    """The ladder runs' curves of `quantity`: `loss`, `val_loss`, or `auto`: the validation loss (no batch
+    noise; what the ladder's held-out figures measure) when every run logged at least 2 after warmup
+    (ladder.evals_per_run), else the training loss."""
+    if quantity not in ("auto", *QUANTITIES):
+        raise ConfigError(f"--quantity: {quantity!r} is not one of auto, {', '.join(QUANTITIES)}")
+    if quantity != "auto":
+        return read_curves(runs, quantity)
+    try:
+        curves = read_curves(runs, "val_loss")
+    except TenxError:  # a run without validation records
+        return read_curves(runs, "loss")
+    enough = all(int((c.steps >= c.schedule.first_step).sum()) >= 2 for c in curves)
+    return curves if enough else read_curves(runs, "loss")
 
 
 def predict_from_run(
-    run_dir: str | Path, *, law: str = EXTRAPOLATION_LAW, bootstrap: int = 20
+    run_dir: str | Path, *, law: str = EXTRAPOLATION_LAW, bootstrap: int = 20, quantity: str = "loss"
 ) -> tuple[Prediction, Any]:
-    """Extrapolate a run from its curve so far to its last step (its config's schedule)."""
+    """Extrapolate a run's curve of `quantity` (`loss` or `val_loss`) so far to its last step (its
+    config's schedule)."""
     from tenx.scaling.curve import curve_from_run
 
-    curve = curve_from_run(run_dir)
+    if quantity not in QUANTITIES:
+        raise ConfigError(f"--quantity: {quantity!r} is not one of {', '.join(QUANTITIES)} for --run")
+    curve = curve_from_run(run_dir, quantity=quantity)
     steps_so_far = int(curve.steps.max()) if len(curve.steps) else 0
     cp, fit = extrapolate_run(curve, law, bootstrap=bootstrap)
     source = {"kind": "self", "run_dir": str(run_dir), "upto_step": steps_so_far}
     target = {"steps": curve.schedule.steps, "tokens_per_step": curve.config.get("tokens_per_step")}
-    return _to_prediction(cp, _window(steps_so_far or curve.schedule.steps, 24), source, target), fit
+    window = _window(steps_so_far or curve.schedule.steps, 24) if quantity == "loss" else 1
+    return _to_prediction(cp, window, source, target, quantity), fit
 
 
 def write_outputs(
@@ -146,16 +175,19 @@ def format_prediction(prediction: Prediction) -> str:
         else f"from the first {src.get('upto_step')} steps of {src.get('run_dir')} ({src.get('law')} law)"
     )
     level = round(100 * prediction.level)
+    what = "validation" if prediction.quantity == "val_loss" else "training"
+    smoothed = f", smoothed over {prediction.window} steps" if prediction.window > 1 else ""
     return (
-        f"predicted training loss at step {f['step']}: {f['loss']:.4f} nats/token "
-        f"({level}% band {f['lower']:.4f} .. {f['upper']:.4f}), smoothed over {prediction.window} steps\n{where}"
+        f"predicted {what} loss at step {f['step']}: {f['loss']:.4f} nats/token "
+        f"({level}% band {f['lower']:.4f} .. {f['upper']:.4f}){smoothed}\n{where}"
     )
 
 
 def default_out(run_dir: str | Path | None, ladder_dir: str | Path | None, config: str) -> Path:
-    """Where `tenx predict` writes without -o: the run's own directory, or LADDER_DIR/predictions/NAME."""
+    """Where `tenx predict` writes without -o: RUN_DIR/extrapolation (RUN_DIR/prediction.json is the
+    prediction the run is watched against, never overwritten here), or LADDER_DIR/predictions/NAME."""
     if run_dir is not None:
-        return Path(run_dir)
+        return rundir.RunDir(run_dir).extrapolation
     assert ladder_dir is not None
     return Path(ladder_dir) / "predictions" / (Path(config).stem or "target")
 
@@ -170,6 +202,7 @@ def run_predict(
     world_size: int = 1,
     bootstrap: int = 30,
     out: str | Path | None = None,
+    quantity: str | None = None,
 ) -> dict[str, Any]:
     """What `tenx predict` does: predict (from a ladder for `config`, or a run from its own curve), write
     prediction.json and prediction.png, and return {"prediction", "paths", "text"}."""
@@ -184,7 +217,9 @@ def run_predict(
     if run_dir is not None:
         if config or overrides:
             raise ConfigError("tenx predict --run: the run's own config.toml is used; drop --config/--set")
-        prediction, _ = predict_from_run(run_dir, law=law or EXTRAPOLATION_LAW, bootstrap=bootstrap)
+        prediction, _ = predict_from_run(
+            run_dir, law=law or EXTRAPOLATION_LAW, bootstrap=bootstrap, quantity=quantity or "loss"
+        )
         metrics: Path | None = rundir.RunDir(run_dir).metrics
         title = f"{run_dir}: extrapolated from its own curve"
     else:
@@ -199,6 +234,7 @@ def run_predict(
             world_size=world_size,
             bootstrap=bootstrap,
             config_name=config,
+            quantity=quantity or "auto",
         )
         metrics, title = None, f"{config}: predicted from {ladder_dir}"
     paths = write_outputs(
@@ -206,3 +242,41 @@ def run_predict(
     )
     text = f"{format_prediction(prediction)}\nprediction: {paths['prediction']}\nplot: {paths['plot']}"
     return {"prediction": prediction, "paths": paths, "text": text}
+
+
+def add_arguments(pp: Any) -> None:
+    """`tenx predict`'s flags on an argparse parser."""
+    from tenx.scaling.curve import LAWS
+
+    pp.add_argument(
+        "--from", dest="ladder", metavar="LADDER_DIR", help="a ladder's directory (tenx ladder --out)"
+    )
+    pp.add_argument("--config", help="the run to predict: a config path or a shipped name (with --from)")
+    pp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override the config (repeatable)",
+    )
+    pp.add_argument("--run", metavar="RUN_DIR", help="extrapolate this run from its curve so far instead")
+    pp.add_argument(
+        "--law",
+        choices=sorted(LAWS),
+        help=f"the curve law (default: {DEFAULT_LAW} from a ladder, {EXTRAPOLATION_LAW} for --run)",
+    )
+    pp.add_argument(
+        "--quantity",
+        choices=["auto", *QUANTITIES],
+        help="the metrics column to predict: loss (training) or val_loss (default: from a ladder, val_loss "
+        "when every run logged it, see ladder.evals_per_run; for --run, loss)",
+    )
+    pp.add_argument(
+        "--world-size", type=int, default=1, help="ranks the config will run on (its batch is per rank)"
+    )
+    pp.add_argument("--bootstrap", type=int, default=30, help="bootstrap resamples for the band (0: none)")
+    pp.add_argument(
+        "-o",
+        "--out",
+        help="output directory (default: RUN_DIR/extrapolation, or LADDER_DIR/predictions/CONFIG)",
+    )

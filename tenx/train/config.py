@@ -14,6 +14,7 @@ from tenx.config import field
 from tenx.data.loader import DataConfig
 from tenx.errors import ConfigError, TenxError
 from tenx.model.config import ModelConfig
+from tenx.monitor.config import MonitorConfig
 from tenx.parallel.distributed import ParallelConfig
 from tenx.train.callbacks.faults import FaultConfig
 from tenx.train.guard import GuardConfig
@@ -156,6 +157,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, help="training loop")
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, help="checkpoints")
     log: LogConfig = field(default_factory=LogConfig, help="metrics and progress")
+    monitor: MonitorConfig = field(
+        default_factory=MonitorConfig, help="watching the run: its prediction, model statistics, trends"
+    )
     guard: GuardConfig = field(default_factory=GuardConfig, help="non-finite and loss-spike guard")
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig, help="hang detection")
     faults: FaultConfig = field(default_factory=FaultConfig, help="fault injection for drills and tests")

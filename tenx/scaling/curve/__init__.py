@@ -17,6 +17,7 @@ single-threaded BLAS), laws (the laws and size terms as columns of linear coeffi
 
 from tenx.scaling.curve.evaluate import (
     benchmark,
+    budget_groups,
     curve_error,
     protocol,
     self_extrapolation_error,
@@ -62,6 +63,7 @@ __all__ = [
     "Law",
     "Schedule",
     "benchmark",
+    "budget_groups",
     "curve_error",
     "curve_from_records",
     "curve_from_run",

@@ -10,6 +10,8 @@ The protocol (`protocol`) is read off the runs' configs:
   runs and predict the others;
 - leave-largest-out: fit every run of the other sizes (the size law needs 3 of them) and predict the
   largest size's runs, whatever their schedule;
+- leave-largest-budget-out (runs with FLOPs, such as a ladder's): fit every run of the smaller budgets and
+  predict the top budget's runs (longer training of sizes seen below it);
 - self-extrapolation: fit the first `fraction` of each run and predict the rest, with the law's shape
   under a soft prior from a fit of every other run (a ladder that did not see this run), and with no
   prior at all (every parameter free: what the prior is for).
@@ -96,14 +98,22 @@ def self_extrapolation_error(
 ) -> dict[str, Any]:
     """Extrapolate each curve from its first `fraction` of steps (with its prior from `priors`, by curve
     name; {} for none) and measure the rest of the curve and the final loss. A fit that predicts a
-    non-positive loss counts as an error of 100%."""
-    rows = []
+    non-positive loss counts as an error of 100%. A curve whose first `fraction` holds too few records
+    after warmup to fit (a validation curve of a run that warms up over most of it) is listed under
+    `skipped` with the reason."""
+    rows, skipped = [], {}
     for c in curves:
         cut = int(round(fraction * c.schedule.steps))
         prior = (priors or {}).get(c.name, {})
-        prediction, _ = extrapolate_run(c.upto(cut), law, prior=prior, bootstrap=bootstrap)
+        try:
+            prediction, _ = extrapolate_run(c.upto(cut), law, prior=prior, bootstrap=bootstrap)
+        except ConfigError as e:
+            if "records after warmup" not in str(e):
+                raise
+            skipped[c.name] = str(e)
+            continue
         rows.append(curve_error(prediction, c, window, start=cut + 1))
-    return {"fraction": fraction, **_summary(rows)}
+    return {"fraction": fraction, **_summary(rows), "skipped": skipped}
 
 
 def _schedule_of(curve: Curve) -> str:
@@ -126,7 +136,27 @@ def protocol(curves: Sequence[Curve]) -> dict[str, Any]:
         "train": [c.name for c in curves if c.params != sizes[-1]],
         "test": [c.name for c in curves if c.params == sizes[-1]],
     }
-    return {"cross_schedule": cross, "leave_largest_out": largest}
+    out: dict[str, Any] = {"cross_schedule": cross, "leave_largest_out": largest}
+    groups = budget_groups(curves)
+    if len(groups) >= 2:
+        out["leave_largest_budget_out"] = {
+            "train": [n for g in groups[:-1] for n in g],
+            "test": groups[-1],
+        }
+    return out
+
+
+def budget_groups(curves: Sequence[Curve], tolerance: float = 0.05) -> list[list[str]]:
+    """Names of the curves that share a training budget (FLOPs within `tolerance`), by budget, smallest
+    first: a ladder's rungs. Curves without FLOPs (no run.json) belong to none."""
+    known = sorted((c for c in curves if c.flops), key=lambda c: float(c.flops or 0))
+    groups: list[list[Curve]] = []
+    for c in known:
+        if groups and float(c.flops or 0) <= float(groups[-1][0].flops or 0) * (1 + tolerance):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return [[c.name for c in g] for g in groups]
 
 
 def benchmark(

@@ -107,9 +107,11 @@ class _Block:
 
 def windows_of(curve: Curve, windows: int) -> list[np.ndarray]:
     """The curve's record indices after warmup, cut into at most `windows` runs of at least 2 records
-    whose step ranges grow geometrically (short where the loss falls fast, long where it is nearly flat)."""
+    whose step ranges grow geometrically (short where the loss falls fast, long where it is nearly flat).
+    A validation curve's records carry no batch noise to average away: there a window may hold one."""
+    least = 2 if curve.quantity == "loss" else 1
     keep = np.flatnonzero(curve.steps >= curve.schedule.first_step)
-    if len(keep) < 2:
+    if len(keep) < least:
         return []
     steps = curve.steps[keep]
     edges = np.geomspace(steps[0], steps[-1] + 1, windows + 1)
@@ -117,11 +119,11 @@ def windows_of(curve: Curve, windows: int) -> list[np.ndarray]:
     parts: list[np.ndarray] = []
     for i in np.unique(label):
         part = keep[label == i]
-        if parts and len(parts[-1]) < 2:
+        if parts and len(parts[-1]) < least:
             parts[-1] = np.concatenate([parts[-1], part])
         else:
             parts.append(part)
-    if len(parts) > 1 and len(parts[-1]) < 2:
+    if len(parts) > 1 and len(parts[-1]) < least:
         parts[-2] = np.concatenate([parts[-2], parts.pop()])
     return parts
 
@@ -331,10 +333,11 @@ def _check(curves: Sequence[Curve], law: str, size_law: str, windows: int) -> tu
         )
     for c in curves:
         after = int(np.sum(c.steps >= c.schedule.first_step))
-        if after < 4:
+        least = 4 if c.quantity == "loss" else 2  # a validation record needs no smoothing
+        if after < least:
             raise ConfigError(
                 f"curve {c.name}: {after} records after warmup (warmup ends at step "
-                f"{c.schedule.first_step - 1}); a curve needs at least 4 to give 2 smoothed points"
+                f"{c.schedule.first_step - 1}); a curve needs at least {least} to give 2 smoothed points"
             )
     return LAWS[law], size_law, sizes
 

@@ -43,6 +43,8 @@ PARAMS_UNIT = 1e6
 SCHEDULES = ("cosine", "wsd", "constant")
 """The `optim.schedule` values the laws represent (warmup, then a learning rate that never rises)."""
 _RISE_TOLERANCE = 1e-6
+QUANTITIES = ("loss", "val_loss")
+"""The metrics columns a curve can follow: each step's training loss, or the periodic validation loss."""
 
 
 @dataclass
@@ -153,6 +155,11 @@ class Curve:
     loss: np.ndarray
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     """what the run was (optim settings, depth, ...): carried for reports, not used by the fit"""
+    quantity: str = "loss"
+    """the metrics column: `loss` (each step's training batch) or `val_loss` (the fixed validation batches,
+    logged every train.eval_every steps: far less noisy, and what a ladder's held-out figures are)"""
+    flops: float | None = None
+    """training FLOPs of the whole run (run.json's flops_per_token x tokens): groups a ladder's budgets"""
 
     def __post_init__(self) -> None:
         self.steps = np.asarray(self.steps, dtype=int)
@@ -194,26 +201,37 @@ def curve_from_records(
     params: float,
     schedule: Schedule | None = None,
     config: dict[str, Any] | None = None,
+    quantity: str = "loss",
 ) -> Curve:
-    """A curve from metrics records (step, tokens, lr, loss).
+    """A curve from metrics records (step, tokens, lr and `quantity`: `loss` or `val_loss`).
 
     Without `schedule` the schedule is the `lr` column itself (the run so far: fine to fit, not to extend
     past its last step). With one, the `lr` column must agree with it (a resumed run with a changed config
-    does not), and the curve may stop early: the rest is what extrapolation predicts.
+    does not), and the curve may stop early: the rest is what extrapolation predicts. `val_loss` is logged
+    only every train.eval_every steps, so its curve needs the schedule. Its record s was measured after
+    update s-1, one update later than `loss` at s: the laws ignore that offset (one step in the 20 or more
+    between validations).
     """
+    if quantity not in QUANTITIES:
+        raise ConfigError(f"curve {name}: quantity {quantity!r} is not one of {', '.join(QUANTITIES)}")
     by_step: dict[int, dict[str, Any]] = {}
     for i, rec in enumerate(records):
         if "skipped" in rec:  # a step that did not commit: its update never happened
             continue
-        missing = [k for k in ("step", "tokens", "lr", "loss") if k not in rec]
+        if quantity != "loss" and quantity not in rec:  # validation is logged every eval_every steps
+            continue
+        missing = [k for k in ("step", "tokens", "lr", quantity) if k not in rec]
         if missing:
             raise DataError(f"curve {name}: metrics record {i + 1} lacks {', '.join(missing)}")
         by_step[int(rec["step"])] = rec  # a step logged twice (rollback and redo): the later one counts
     if not by_step:
-        raise DataError(f"curve {name}: no metrics records")
+        what = "metrics records" if quantity == "loss" else f"records with {quantity} (train.eval_every 0?)"
+        raise DataError(f"curve {name}: no {what}")
+    if schedule is None and quantity != "loss":
+        raise ConfigError(f"curve {name}: a {quantity} curve needs the run's schedule (its config)")
     steps = np.array(sorted(by_step))
     rows = [by_step[s] for s in steps]
-    loss = np.array([float(r["loss"]) for r in rows])
+    loss = np.array([float(r[quantity]) for r in rows])
     lr = np.array([float(r["lr"]) for r in rows])
     tokens = np.array([float(r["tokens"]) for r in rows])
     if schedule is None:
@@ -234,12 +252,13 @@ def curve_from_records(
                 f"curve {name}: the logged learning rate at step {s} is {lr[off[0]]:.6g} but the schedule "
                 f"({schedule.source}) gives {planned[off[0]]:.6g}; was the config changed mid-run?"
             )
-    return Curve(name, float(params), schedule, steps, loss, dict(config or {}))
+    return Curve(name, float(params), schedule, steps, loss, dict(config or {}), quantity)
 
 
-def curve_from_run(run_dir: str | Path, name: str | None = None) -> Curve:
-    """A run directory's curve: config.toml for the whole schedule, metrics.jsonl for the loss, and the
-    parameter count from run.json (or, when absent, from the config's model with an explicit vocab_size)."""
+def curve_from_run(run_dir: str | Path, name: str | None = None, quantity: str = "loss") -> Curve:
+    """A run directory's curve of `quantity` (`loss` or `val_loss`): config.toml for the whole schedule,
+    metrics.jsonl for the loss, and the parameter count and FLOPs from run.json (or, when absent, the
+    parameter count from the config's model with an explicit vocab_size)."""
     from tenx.config import to_dict
     from tenx.model.flops import count_params
     from tenx.monitor.metrics import read_metrics
@@ -275,12 +294,15 @@ def curve_from_run(run_dir: str | Path, name: str | None = None) -> Curve:
         "tokens_per_step": float(tokens_per_step),
         "seed": cfg.train.seed,
     }
-    return curve_from_records(records, name or Path(run_dir).name, params, schedule, config)
+    curve = curve_from_records(records, name or Path(run_dir).name, params, schedule, config, quantity)
+    if prov.get("flops_per_token"):
+        curve.flops = float(prov["flops_per_token"]) * float(tokens_per_step) * int(total_steps)
+    return curve
 
 
-def read_curves(directory: str | Path) -> list[Curve]:
-    """Every run directory directly under `directory` (sorted by name) as a curve."""
+def read_curves(directory: str | Path, quantity: str = "loss") -> list[Curve]:
+    """Every run directory directly under `directory` (sorted by name) as a curve of `quantity`."""
     runs = sorted(p for p in Path(directory).iterdir() if (p / rundir.CONFIG).exists())
     if not runs:
         raise TenxError(f"{directory}: holds no run directories (folders with {rundir.CONFIG})")
-    return [curve_from_run(p) for p in runs]
+    return [curve_from_run(p, quantity=quantity) for p in runs]

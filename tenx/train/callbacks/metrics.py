@@ -79,6 +79,7 @@ class Progress(Callback):
         self._bar: Any = None
         self._t0 = 0.0
         self._start_step = 0
+        self._watch: dict[str, float] = {}  # the latest pred_* figures
 
     def on_train_start(self, trainer: Any) -> None:
         self._t0, self._start_step = time.perf_counter(), trainer.step
@@ -91,6 +92,13 @@ class Progress(Callback):
         text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.1f}%"
         if "val_loss" in metrics:
             text += f" | val {metrics['val_loss']:.4f}"
+        self._watch.update({k: v for k, v in metrics.items() if k.startswith("pred_")})
+        if "pred_dev" in self._watch:  # against the prediction (monitor.prediction), in band half-widths
+            text += f" | vs pred {self._watch['pred_dev']:+.1f}"
+        if "pred_final_self" in self._watch:
+            text += f" | final {self._watch['pred_final_self']:.4f}"
+            if "pred_final" in self._watch:
+                text += f" (pred {self._watch['pred_final']:.4f})"
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)
