@@ -107,6 +107,10 @@ def extra_runs(ladder_dir: Path, out: Path, train_missing: bool) -> list[Curve]:
     from tenx.scaling.planner import LadderConfig, plan_ladder, shape_for_depth, vocab_size_of
     from tenx.train.config import load_run_config
 
+    if not train_missing:  # the runs as they are (e.g. tests/data/ladder-val-bench)
+        if not (out / "runs").is_dir():
+            raise SystemExit(f"{out / 'runs'}: missing; run without --no-train to train the extra runs")
+        return read_curves(out / "runs", quantity="val_loss")
     rows = read_results(ladder_dir)
     if not rows:
         raise SystemExit(f"{ladder_dir}: no results.jsonl rows; train the ladder first (tenx ladder --out)")
@@ -123,8 +127,6 @@ def extra_runs(ladder_dir: Path, out: Path, train_missing: bool) -> list[Curve]:
         if not (run_dir / "metrics.jsonl").exists() or not any(
             r.get("name") == run.name for r in read_results(out)
         ):
-            if not train_missing:
-                raise SystemExit(f"{run_dir}: missing; run without --no-train to train it")
             t0 = time.perf_counter()
             run_one(run, out, lc)
             print(f"trained {run.name} ({run.steps} steps) in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -180,7 +182,9 @@ def main() -> None:
     )
     ap.add_argument("--ladder", help="a trained ladder directory (tenx ladder --out): the acceptance figures")
     ap.add_argument("--extra", help="where the cross-schedule runs live (default: LADDER_DIR-bench)")
-    ap.add_argument("--no-train", action="store_true", help="fail rather than train missing extra runs")
+    ap.add_argument(
+        "--no-train", action="store_true", help="take the extra runs as they are in --extra; train none"
+    )
     ap.add_argument("--bootstrap", type=int, default=20, help="bootstrap resamples per fit (bands)")
     args = ap.parse_args()
 

@@ -17,6 +17,7 @@ from typing import Any
 from tenx.cli_parsing import Parser, add_set, command
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
+from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
 from tenx.rundir import RunDir
 from tenx.utils.io import STORAGE_ERRNOS, storage_error
 
@@ -35,6 +36,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     config_path = resolve_config_path(args.config)
     overrides = [*args.set, *([f"faults.inject={json.dumps(args.fault)}"] if args.fault else [])]
+    overrides += [f"monitor.prediction={json.dumps(args.predict)}"] if args.predict else []
     if args.fault_seed is not None:
         overrides.append(f"faults.seed={args.fault_seed}")
     cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
@@ -61,13 +63,18 @@ def cmd_train(args: argparse.Namespace) -> None:
         if not report.finished:
             raise TenxError(f"supervised run in {run_dir} did not finish: {report.gave_up}")
         return
+    from tenx.scaling.watch import summary_fields, watch_callbacks
     from tenx.train.run import train
 
-    trainer, metrics = train(cfg, run_dir, resume=args.resume)
+    trainer, metrics = train(cfg, run_dir, resume=args.resume, extra_callbacks=watch_callbacks(cfg))
     if trainer.rank != 0:  # under torchrun the summary is the run's, printed once
         return
     if metrics:
-        print(json.dumps({k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")}))
+        print(
+            json.dumps(
+                {k: metrics.get(k) for k in ("step", "tokens", "loss", "val_loss")} | summary_fields(run_dir)
+            )
+        )
     else:
         print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
     print(format_goodput(compute_goodput(run_dir)))
@@ -237,7 +244,7 @@ LADDER_FLAGS = (
     "min_depth",
 )
 LADDER_FLAGS += ("max_depth", "unique_tokens", "seeds", "noise_seeds", "eval_bytes", "prepare_source")
-LADDER_FLAGS += ("prepare_tokenizer",)
+LADDER_FLAGS += ("evals_per_run", "prepare_tokenizer")
 """The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
 FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")
 """The FitConfig fields `tenx fit` takes as flags."""
@@ -361,45 +368,17 @@ def cmd_predict(args: argparse.Namespace) -> None:
             world_size=args.world_size,
             bootstrap=args.bootstrap,
             out=args.out,
+            quantity=args.quantity,
         )["text"]
-    )
-
-
-def _predict_arguments(pp: argparse.ArgumentParser) -> None:
-    from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, LAWS
-
-    pp.add_argument(
-        "--from", dest="ladder", metavar="LADDER_DIR", help="a ladder's directory (tenx ladder --out)"
-    )
-    pp.add_argument("--config", help="the run to predict: a config path or a shipped name (with --from)")
-    pp.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override the config (repeatable)",
-    )
-    pp.add_argument("--run", metavar="RUN_DIR", help="extrapolate this run from its curve so far instead")
-    pp.add_argument(
-        "--law",
-        choices=sorted(LAWS),
-        help=f"the curve law (default: {DEFAULT_LAW} from a ladder, {EXTRAPOLATION_LAW} for --run)",
-    )
-    pp.add_argument(
-        "--world-size", type=int, default=1, help="ranks the config will run on (its batch is per rank)"
-    )
-    pp.add_argument("--bootstrap", type=int, default=30, help="bootstrap resamples for the band (0: none)")
-    pp.add_argument(
-        "-o",
-        "--out",
-        help="output directory (default: the run's directory, or LADDER_DIR/predictions/CONFIG)",
     )
 
 
 def add_predict_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx predict` on the CLI's subparsers."""
     about = "predict a run's whole loss curve with a band: from a ladder, or from the run's own start"
-    return command(subparsers, "predict", about, cmd_predict, _predict_arguments)
+    from tenx.scaling.predict import add_arguments
+
+    return command(subparsers, "predict", about, cmd_predict, add_arguments)
 
 
 def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -481,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("--fault-seed", type=int, default=None, help="seed of random (p=P) faults")
     tp.add_argument(
+        "--predict", metavar="PREDICTION_JSON", help="watch the run against it (monitor.prediction)"
+    )
+    tp.add_argument(
         "--launcher",
         help="with --supervise: the command that runs `tenx` (default `python -m tenx`), e.g. "
         "'torchrun --nproc_per_node 2 -m tenx' to restart a whole multi-process job",
@@ -494,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lighthouse_parser(sub)  # `tenx lighthouse --bind ADDR:PORT`: coordinates replica groups (torchft)
     add_fit_parser(sub)  # `tenx fit`: scaling-law fits with bootstrap intervals
     add_predict_parser(sub)  # `tenx predict`: a whole loss curve with a band
+    add_dashboard_parser(sub)  # `tenx dashboard RUN_DIR...`: a live page of runs (tenx/monitor/dashboard/)
+    add_report_parser(sub)  # `tenx report RUN_DIR... -o FILE`: the same page as one offline file
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")

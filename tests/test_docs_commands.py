@@ -10,7 +10,7 @@ see what earlier ones wrote (`runs/data/stdlib` before `tenx train --set data.di
 
 Shell blocks are cut into commands: `\\` continuations are joined, comments dropped, `a && b` runs its parts
 in order and stops at the first failure (as bash does), and `export`s carry over to later commands of the
-page. A command ending in `&` starts in the background: a server (SERVERS: `tenx lighthouse`,
+page. A command ending in `&` starts in the background: a server (SERVERS: `tenx lighthouse`, `tenx dashboard`,
 `tensorboard`) is stopped when its block ends, anything else is waited for and must succeed. A server
 started in the foreground must still be running after SERVER_GRACE_S seconds, and is then stopped. A
 ```console block runs its `$ ` lines. A ```python block is written to a file and run with `python FILE` in
@@ -141,7 +141,7 @@ REQUIRES = {"tenx export": ("transformers",)}
 # block's first line, reason). Not strict: one that passes is reported and warned about, not failed.
 XFAILS: list[tuple[str, str, str]] = []  # (page glob, command regex, the bug); none known now
 
-SERVERS = ("tenx lighthouse", "tensorboard")  # run until stopped
+SERVERS = ("tenx lighthouse", "tensorboard", "tenx dashboard")  # run until stopped
 SERVER_GRACE_S = 5.0
 COMMAND_TIMEOUT_S = 900
 TAIL_LINES = 40

@@ -439,6 +439,9 @@ def _bootstrap(
     seed: int,
     prior: tuple[np.ndarray, np.ndarray] | None,
 ) -> list[np.ndarray]:
+    """Refits to resampled segments of each curve. With a soft prior each draw also moves the prior's
+    centres by a draw of their own spread (randomize-then-optimize), so that what the prior holds (the
+    shape of a curve seen only in its first part) carries its uncertainty into the band."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
@@ -447,7 +450,14 @@ def _bootstrap(
             parts = np.array_split(np.arange(len(b.y)), min(segments, len(b.y)))
             pick = rng.integers(0, len(parts), len(parts))
             blocks.append(b.take(np.concatenate([parts[i] for i in pick])))
-        out.append(_solve(problem, blocks, theta, free, delta, prior)[1])
+        drawn = prior
+        if prior is not None:
+            centre, sd = prior
+            finite = np.isfinite(sd)
+            moved = centre.copy()
+            moved[finite] += sd[finite] * rng.standard_normal(int(finite.sum()))
+            drawn = (moved, sd)
+        out.append(_solve(problem, blocks, theta, free, delta, drawn)[1])
     return out
 
 

@@ -1,0 +1,84 @@
+"""`tenx dashboard` and `tenx report`: their flags and what they run (registered by tenx/cli.py).
+
+The subcommands register themselves as tenx.cli_parsing.command does (flags added on first use when the
+parser can defer them), without importing it: the CLI sits above tenx.monitor in the layers."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    """Serve the runs' dashboard until Ctrl-C."""
+    from tenx.monitor.dashboard.server import serve
+
+    serve(args.run_dirs, bind=args.bind, refresh_s=args.refresh)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    """Write the runs' dashboard as one self-contained HTML file."""
+    from tenx.monitor.dashboard.page import write_report
+
+    path = write_report(args.run_dirs, args.output, force=args.force)
+    size = path.stat().st_size / 2**20
+    print(f"wrote {path} ({len(args.run_dirs)} run(s), {size:.1f} MB; opens offline in any browser)")
+
+
+def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.monitor.dashboard.server import DEFAULT_BIND
+
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid on the same charts"
+    )
+    p.add_argument(
+        "--bind",
+        default=DEFAULT_BIND,
+        metavar="HOST:PORT",
+        help="where to listen; port 0 picks a free one. Another address than loopback lets anyone who "
+        "reaches it read the runs (docs/security.md)",
+    )
+    p.add_argument(
+        "--refresh", type=float, default=5.0, metavar="SECONDS", help="how often the page re-reads the runs"
+    )
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid on the same charts"
+    )
+    p.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="the HTML file to write, e.g. report.html"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace FILE even if it is not an earlier tenx report"
+    )
+
+
+def _command(
+    subparsers: Any,
+    name: str,
+    about: str,
+    func: Callable[[argparse.Namespace], None],
+    add: Callable[..., None],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=about, description=about)
+    parser.set_defaults(func=func)
+    if hasattr(parser, "defer"):  # tenx.cli_parsing.Parser: flags are added when the subcommand is used
+        parser.defer(add)
+    else:
+        add(parser)
+    return parser
+
+
+def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx dashboard` on the CLI's subparsers."""
+    about = "a live web page of runs: loss and prediction band, statistics, throughput, goodput, events"
+    return _command(subparsers, "dashboard", about, cmd_dashboard, _dashboard_arguments)
+
+
+def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx report` on the CLI's subparsers."""
+    about = "write the dashboard of runs as one self-contained HTML file that opens offline"
+    return _command(subparsers, "report", about, cmd_report, _report_arguments)
