@@ -85,6 +85,7 @@ SLOW = {
     "docs/scaling.md": "150 s: a ladder and two derisk studies",
     "docs/eval.md": "100 s: tenx quickstart prepares the whole standard library",
     "docs/fault-tolerance.md": "95 s: two chaos drills",
+    "docs/prediction.md": "110 s: a tiny ladder and bench/predict_accuracy.py on the stored ladder curves",
 }
 
 # Appended to every matching command on every page: (program prefix, required word, args, why).

@@ -7,6 +7,7 @@ K key/value heads, E head width, F MLP width, V (padded) vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,28 @@ def apply_rope(x_BHTE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
     return (x_BHTE * cos_TE + rotated * sin_TE).to(x_BHTE.dtype)
 
 
+def max_attention_logit(
+    q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, max_elements: int = 1 << 24
+) -> torch.Tensor:
+    """The largest causal pre-softmax logit q·k/sqrt(E) over batch, heads and positions, in fp32.
+
+    Computed a block of query rows at a time, so at most about `max_elements` logits exist at once; key
+    head K serves query heads [K*H/K', (K+1)*H/K') as in grouped-query attention.
+    """
+    B, H, T, E = q_BHTE.shape
+    k_BHTE = k_BKTE.repeat_interleave(H // k_BKTE.shape[1], dim=1).float()
+    q_BHTE = q_BHTE.float() * E**-0.5
+    rows = max(1, min(T, max_elements // max(1, B * H * T)))
+    pos_T = torch.arange(T, device=q_BHTE.device)
+    best = torch.full((), -math.inf, device=q_BHTE.device)
+    for start in range(0, T, rows):
+        end = min(T, start + rows)
+        logits_BHRS = q_BHTE[:, :, start:end] @ k_BHTE[:, :, :end].transpose(-1, -2)
+        future_RS = pos_T[None, :end] > pos_T[start:end, None]
+        best = torch.maximum(best, logits_BHRS.masked_fill(future_RS, -math.inf).amax())
+    return best
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with optional grouped KV heads, QK-norm and RoPE."""
 
@@ -69,6 +92,10 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.record_logit_max = False
+        """When set (by a monitoring probe, not in training), forward also stores `logit_max`."""
+        self.logit_max: torch.Tensor | None = None
+        """The largest pre-softmax logit of the last forward with `record_logit_max` set."""
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -80,6 +107,8 @@ class Attention(nn.Module):
         if rope is not None:
             cos_TE, sin_TE = rope[0][:T], rope[1][:T]
             q_BHTE, k_BKTE = apply_rope(q_BHTE, cos_TE, sin_TE), apply_rope(k_BKTE, cos_TE, sin_TE)
+        if self.record_logit_max:
+            self.logit_max = max_attention_logit(q_BHTE, k_BKTE)
         y_BHTE = F.scaled_dot_product_attention(
             q_BHTE, k_BKTE, v_BKTE, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
         )
@@ -162,7 +191,12 @@ class Transformer(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        on_block_output: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V); `on_block_output(i, x_BTD)`, when given, sees each block's output (monitoring)."""
         T = tokens_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -170,11 +204,13 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x_BTD = x_BTD + self.pos_emb.weight[:T]
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
                 x_BTD = torch.utils.checkpoint.checkpoint(block, x_BTD, rope, use_reentrant=False)
             else:
                 x_BTD = block(x_BTD, rope)
+            if on_block_output is not None:
+                on_block_output(i, x_BTD)
         return self.lm_head(self.final_norm(x_BTD))
 
 

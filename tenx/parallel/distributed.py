@@ -177,7 +177,10 @@ def wrap_model(
                 "parallel.mixed_precision: only with parallel.strategy='fsdp' (ddp: use train.precision)"
             )
         ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids), "ddp"
+        # the model's only buffers are the constant RoPE tables, computed alike on every rank: broadcasting
+        # them before each forward would be wasted traffic and a sync point that hides a straggler
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        return ddp, "ddp"
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (

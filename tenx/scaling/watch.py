@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from tenx.errors import ConfigError
 from tenx.monitor.metrics import read_metrics
 from tenx.monitor.prediction import read_prediction
 from tenx.rundir import RunDir
@@ -55,7 +56,13 @@ class SelfExtrapolation(Callback):
         if trainer.rank != 0 or not self.every:
             self.every = 0
             return
-        self._schedule = schedule_from_config(self.cfg.optim, trainer.total_steps, trainer.tokens_per_step)
+        try:
+            self._schedule = schedule_from_config(
+                self.cfg.optim, trainer.total_steps, trainer.tokens_per_step
+            )
+        except ConfigError:  # a run too short to have a curve after warmup: nothing to extrapolate
+            self.every = 0
+            return
         if self.params is None:
             self.params = int(getattr(trainer, "param_count", 0)) or sum(
                 p.numel() for p in trainer.model.parameters()

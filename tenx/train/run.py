@@ -17,6 +17,8 @@ from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector
 from tenx.train.callbacks.metrics import MetricsLogger, Progress
+from tenx.train.callbacks.stats import ModelStats
+from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
 from tenx.utils.io import describe_storage_problem, ensure_writable
@@ -26,7 +28,8 @@ def default_callbacks(
     cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
 ) -> list[Callback]:
     """The fault injector (when faults are configured), the replica consistency check (when
-    parallel.consistency.every > 0), validation, `extra` callbacks, metrics, checkpointing.
+    parallel.consistency.every > 0), validation, `extra` callbacks, the watch (prediction and trends, on
+    rank 0), metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
     after its hook for that step has run. Metrics and progress are written by rank 0 only; every rank
@@ -40,6 +43,10 @@ def default_callbacks(
         Validation(cfg.train.eval_every),
         *(extra or []),
     ]
+    if cfg.monitor.stats_every:  # on every rank: its statistics gather figures from all of them
+        callbacks.append(ModelStats(cfg.monitor.stats_every))
+    if rank == 0 and (cfg.monitor.prediction or cfg.monitor.trends):
+        callbacks.append(Watch(cfg.monitor))  # after every callback that adds figures, before they are logged
     if rank == 0:
         callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
     if cfg.log.progress and rank == 0:
