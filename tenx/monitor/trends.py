@@ -25,6 +25,8 @@ import numpy as np
 
 GROWTH_STATS = ("attn_logit_max", "act_max", "act_rms", "grad_norm")
 """Per-layer statistics (`stats/<name>/<layer>`) the growth detector follows."""
+RANK_TIME = "stats/step_time_s/rank"
+"""Prefix of each rank's own step time (`stats/step_time_s/rankR`), what the straggler detector compares."""
 MIN_POINTS = 6
 """Records a fit needs inside the window."""
 R2_MIN = 0.8
@@ -40,10 +42,9 @@ class TrendConfig:
     throughput_drop: float = 0.3
 
 
-def log_linear(steps: np.ndarray, values: np.ndarray) -> tuple[float, float]:
-    """(slope of log value per step, R^2) of a least-squares line through log values."""
+def linear(steps: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(slope per step, R^2) of a least-squares line through (steps, y)."""
     x = steps - steps.mean()
-    y = np.log(values)
     sxx = float(x @ x)
     if sxx == 0:
         return 0.0, 0.0
@@ -52,6 +53,11 @@ def log_linear(steps: np.ndarray, values: np.ndarray) -> tuple[float, float]:
     syy = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(resid @ resid) / syy if syy > 0 else 0.0
     return slope, r2
+
+
+def log_linear(steps: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """(slope of log value per step, R^2) of a least-squares line through log values."""
+    return linear(steps, np.log(values))
 
 
 class TrendDetectors:
@@ -72,23 +78,34 @@ class TrendDetectors:
         }
         self.active = set(state.get("active", []))
 
-    def _add(self, key: str, step: int, value: Any) -> None:
+    def _add(self, key: str, step: int, value: Any) -> bool:
+        """Record a finite value; whether one was recorded."""
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return
+            return False
         pts = self.series.setdefault(key, deque())
         pts.append((step, float(value)))
         while pts and pts[0][0] <= step - self.cfg.window:
             pts.popleft()
+        return True
 
     def observe(self, step: int, metrics: dict[str, Any]) -> list[dict[str, Any]]:
-        for key, value in metrics.items():
-            if key in ("pred_dev", "grad_norm", "tokens_per_s") or _followed_stat(key):
-                self._add(key, step, value)
-        if step < self.start:
+        fresh = {
+            key
+            for key, value in metrics.items()
+            if (key in ("pred_dev", "grad_norm", "tokens_per_s") or _followed_stat(key))
+            and self._add(key, step, value)
+        }
+        if step < self.start or not fresh:
             return []
+        # a detector's verdict changes only when its series does: statistics arrive every stats_every steps
         events: list[dict[str, Any]] = []
-        for check in (self._drift, self._growth, self._stragglers, self._throughput):
-            events += check(step)
+        if "pred_dev" in fresh:
+            events += self._drift(step)
+        events += self._growth(step, sorted(k for k in fresh if k == "grad_norm" or _followed_stat(k)))
+        if any(k.startswith(RANK_TIME) for k in fresh):
+            events += self._stragglers(step)
+        if "tokens_per_s" in fresh:
+            events += self._throughput(step)
         return events
 
     def _report(self, subject: str, firing: bool, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,8 +129,7 @@ class TrendDetectors:
         if got is None:
             return []
         s, d = got
-        x = s - s.mean()
-        slope = float(x @ (d - d.mean())) / float(x @ x) if float(x @ x) > 0 else 0.0
+        slope, _ = linear(s, d)
         moved = slope * self.cfg.window
         now = float(d[-max(1, len(d) // 10) :].mean())
         firing = abs(moved) > 1 and abs(now) > 1 and (moved > 0) == (now > 0)
@@ -132,10 +148,10 @@ class TrendDetectors:
             },
         )
 
-    def _growth(self, step: int) -> list[dict[str, Any]]:
+    def _growth(self, step: int, keys: list[str]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for key in sorted(self.series):
-            if key != "grad_norm" and not _followed_stat(key):
+        for key in keys:
+            if key.startswith(RANK_TIME):
                 continue
             got = self._arrays(key)
             if got is None or np.any(got[1] <= 0):
@@ -162,7 +178,7 @@ class TrendDetectors:
         return out
 
     def _stragglers(self, step: int) -> list[dict[str, Any]]:
-        prefix = "stats/step_time_s/rank"
+        prefix = RANK_TIME
         ranks = sorted(k for k in self.series if k.startswith(prefix))
         if len(ranks) < 2:
             return []
@@ -215,6 +231,4 @@ class TrendDetectors:
 
 def _followed_stat(key: str) -> bool:
     parts = key.split("/")
-    return (len(parts) == 3 and parts[0] == "stats" and parts[1] in GROWTH_STATS) or key.startswith(
-        "stats/step_time_s/rank"
-    )
+    return (len(parts) == 3 and parts[0] == "stats" and parts[1] in GROWTH_STATS) or key.startswith(RANK_TIME)

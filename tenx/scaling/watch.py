@@ -15,6 +15,7 @@ validation curve, so both finals are comparable; otherwise the training loss.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -87,6 +88,9 @@ class SelfExtrapolation(Callback):
         if self.result is not None:
             metrics.update(self.result)
             self.result = None
+        if self.error is not None:  # a fit that failed: said once, the run goes on
+            print(f"tenx: self-extrapolation skipped: {self.error}", file=sys.stderr)
+            self.error = None
         if self._has(metrics):
             self.records.append(self._keep(metrics))
         step = int(metrics.get("step", trainer.step))
@@ -114,7 +118,7 @@ class SelfExtrapolation(Callback):
                 "pred_final_self_upper": prediction.upper[-1],
                 "pred_final_self_step": step,
             }
-        except Exception as e:  # a fit that fails says so in the summary; the run goes on
+        except Exception as e:  # reported on the next step (on_step_end); the run goes on
             self.error = f"{type(e).__name__}: {e}"
 
     def on_train_end(self, trainer: Any) -> None:

@@ -28,8 +28,8 @@ def default_callbacks(
     cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
 ) -> list[Callback]:
     """The fault injector (when faults are configured), the replica consistency check (when
-    parallel.consistency.every > 0), validation, `extra` callbacks, the watch (prediction and trends, on
-    rank 0), metrics, checkpointing.
+    parallel.consistency.every > 0), validation, `extra` callbacks, the statistics inside the model (when
+    monitor.stats_every > 0), the watch (prediction and trends, on rank 0), metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
     after its hook for that step has run. Metrics and progress are written by rank 0 only; every rank
