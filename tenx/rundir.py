@@ -6,7 +6,10 @@ RUN_DIR/
   run.json             provenance: version, git commit, hardware, parameter and FLOP counts
   run_id               this directory's identity (the in-memory tier loads only its own snapshots)
   metrics.jsonl        one JSON line per step
-  events.jsonl         what happened besides steps (resume, rollback, faults, heals, ...)
+  events.jsonl         what happened besides steps (resume, rollback, faults, heals, crashes, ...)
+  steps.jsonl          each step's exact loss and gradient norm, digest and data positions (tenx replay)
+  incidents.db         the incident store (SQLite): every anomaly, and what triage found (tenx triage)
+  incidents/N/         incident N's evidence: the minimal reproduction of a faulty op (repro.py + inputs)
   ledger.jsonl         goodput ledger: time spent productively and otherwise
   data_skips.json      data skipped after rollbacks (a resume from an older checkpoint skips it too)
   eval.json            the last `tenx eval` report
@@ -33,6 +36,9 @@ PROVENANCE = "run.json"
 RUN_ID = "run_id"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
+STEPS = "steps.jsonl"
+INCIDENTS_DB = "incidents.db"
+INCIDENTS = "incidents"
 LEDGER = "ledger.jsonl"
 DATA_SKIPS = "data_skips.json"
 EVAL = "eval.json"
@@ -79,6 +85,18 @@ class RunDir:
     @property
     def events(self) -> Path:
         return self.root / EVENTS
+
+    @property
+    def steps(self) -> Path:
+        return self.root / STEPS
+
+    @property
+    def incidents_db(self) -> Path:
+        return self.root / INCIDENTS_DB
+
+    def incident_dir(self, incident_id: int) -> Path:
+        """Where the evidence of incident `incident_id` is kept (its minimal reproduction)."""
+        return self.root / INCIDENTS / str(int(incident_id))
 
     @property
     def ledger(self) -> Path:

@@ -17,7 +17,7 @@ LAYERS: list[list[str]] = [
     ["tenx.data", "tenx.model", "tenx.plan.hardware", "tenx.plan.failures"],
     ["tenx.checkpoint", "tenx.parallel", "tenx.monitor"],
     ["tenx.train"],
-    ["tenx.launch", "tenx.eval"],
+    ["tenx.launch", "tenx.eval", "tenx.triage"],
     ["tenx.scaling", "tenx.plan", "tenx.quickstart"],
     # The warm spare runs a `tenx` command line: it is an entry point, like __main__.
     ["tenx.cli", "tenx.cli_parsing", "tenx.__main__", "tenx.launch.worker"],

@@ -237,6 +237,8 @@ class TokenLoader:
         self.cursor = 0
         self.last_windows: list[int] = []
         """This rank's window ids in the most recent `next_batch()`."""
+        self.last_global_windows: list[int] = []
+        """Every rank's window ids in the most recent `next_batch()`, rank 0's first."""
         self._skips: list[tuple[int, int]] = []  # sorted, disjoint, non-adjacent [start, end) positions
         self._order_epoch = -1
         self._order = np.arange(0)
@@ -305,6 +307,7 @@ class TokenLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch: inputs and next-token targets, int64 (B, T)."""
         ids = self._take_windows(self.micro_batch * self.world_size)
+        self.last_global_windows = ids
         self.last_windows = ids[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
         rows = np.stack([self.stream.read(w * self.seq_len, self.seq_len + 1) for w in self.last_windows])
         tokens = torch.from_numpy(rows)

@@ -215,10 +215,14 @@ class Transformer(nn.Module):
 
 
 def lm_loss(
-    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, z_loss: float = 0.0
+    logits_BTV: torch.Tensor,
+    targets_BT: torch.Tensor,
+    z_loss: float = 0.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total loss to optimise, mean cross-entropy in nats/token), computed in fp32."""
-    logits_NV = logits_BTV.float().flatten(0, 1)
+    """(total loss to optimise, mean cross-entropy in nats/token), computed in `dtype` (fp32; float64 on
+    triage's reference path)."""
+    logits_NV = logits_BTV.to(dtype).flatten(0, 1)
     ce = F.cross_entropy(logits_NV, targets_BT.flatten())
     if z_loss == 0.0:
         return ce, ce

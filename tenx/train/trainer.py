@@ -111,6 +111,9 @@ class Trainer(TrainerState):
         )
         self.step = 0
         self.tokens_seen = 0
+        self.in_flight: dict[str, Any] = {}
+        """The step being taken: its number, loader positions [start, end) and windows (this rank's, and
+        every rank's per micro-batch), for the step record and for a crash's incident."""
         self.resumed_from: Path | None = None
         self.guard = parts.guard
         self.rollbacks = 0
@@ -148,9 +151,11 @@ class Trainer(TrainerState):
         self.model.train()
         position = self.loader.position
         windows: list[int] = []
+        self.in_flight = {"step": self.step + 1, "position": [position, None], "windows": windows, "all": []}
         for i in range(accum):
             inputs, targets = self.loader.next_batch()
             windows.extend(self.loader.last_windows)
+            self.in_flight["all"].append(self.loader.last_global_windows)
             inputs, targets = (
                 inputs.to(self.device, non_blocking=True),
                 targets.to(self.device, non_blocking=True),
@@ -161,6 +166,7 @@ class Trainer(TrainerState):
                 loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
                 (loss / accum).backward()
             loss_sum += ce.detach()
+        self.in_flight["position"][1] = self.loader.position
         all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
         self.sync.reduce(self.raw_model, loss_sum)  # replica groups, sync mode: average across groups
         self._emit("pre_optim_step")

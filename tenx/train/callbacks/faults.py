@@ -20,6 +20,9 @@ Kinds:
   slow                sleep `seconds` (default 1.0) before the step: a straggler
   bitflip             flip one bit of one parameter on one rank (silent data corruption; the replica
                       consistency checks of tenx/parallel/consistency.py should name the rank)
+  op-bug              from step N on, a library op is wrong on a rare data-dependent condition (the
+                      cross-entropy's reduction, when the targets hold a run of `run` identical ids,
+                      default 12): a spike, a NaN or a crash depending on the data (tenx/train/callbacks/opbug.py)
 
 Options: `count=C` (also fire at the C-1 following steps), `factor=F` (spike), `seconds=S` (slow,
 hang), `phase=step|save` (sigkill), `shard=I` (corrupt-shard: index in the split, default the shard
@@ -62,6 +65,7 @@ KINDS = (
     "corrupt-shard",
     "slow",
     "bitflip",
+    "op-bug",
 )
 _OPTIONS: dict[str, type] = {
     "count": int,
@@ -73,6 +77,7 @@ _OPTIONS: dict[str, type] = {
     "param": str,
     "bit": int,
     "index": int,
+    "run": int,
 }
 _BITFLIP_OPTIONS = ("param", "bit", "index")
 
@@ -113,6 +118,7 @@ class FaultSpec:
     param: str | None = None
     bit: int = 20
     index: int | None = None
+    run: int = 12
 
     def fires_at(self, step: int, seed: int, index: int) -> bool:
         """Whether this fault is due when `step` is about to run (or be saved, for phase=save)."""
@@ -163,6 +169,12 @@ def parse_fault(text: str, where: str = "--fault") -> FaultSpec:
     misplaced = [k for k in _BITFLIP_OPTIONS if k in values and kind != "bitflip"]
     if misplaced:
         raise ConfigError(f"{where}: {', '.join(misplaced)} is only for bitflip, in {text!r}")
+    if "run" in values and kind != "op-bug":
+        raise ConfigError(f"{where}: run is only for op-bug, in {text!r}")
+    if kind == "op-bug" and "step" not in values:
+        raise ConfigError(f"{where}: op-bug takes step=N (the step from which the op is wrong), in {text!r}")
+    if values.get("run", 2) < 2:
+        raise ConfigError(f"{where}: run must be >= 2 in {text!r}")
     if not 0 <= values.get("bit", 0) < 64:
         raise ConfigError(f"{where}: bit must be within [0, 64) in {text!r}")
     if values.get("index", 0) < 0:
@@ -198,6 +210,8 @@ class FaultInjector(Callback):
         self.seed = seed
         self._fired: set[tuple[str, int]] = set()
         self._hooks: list[Any] = []
+        self._op_bugs: list[Any] = []
+        """OpBug modes entered for the current step (op-bug faults stay armed from their step on)."""
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any) -> None:
@@ -227,14 +241,43 @@ class FaultInjector(Callback):
         step = trainer.step + 1
         for spec in self._due(trainer, step, "step"):
             self._fire(trainer, spec, step)
+        self._arm_op_bugs(trainer, step)
 
     def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._disarm_op_bugs()
+
+    def on_error(self, trainer: Any, error: BaseException) -> None:
+        self._disarm_op_bugs()
+
+    def close(self, trainer: Any) -> None:
+        self._disarm_op_bugs()
+
+    def _arm_op_bugs(self, trainer: Any, step: int) -> None:
+        """Enter the OpBug mode of every op-bug fault armed by now (recorded once, when first armed)."""
+        from tenx.train.callbacks.opbug import OpBug
+
+        if self._op_bugs:
+            return  # still entered: the previous step was not committed and is taken again
+        for spec in self.specs:
+            if spec.kind != "op-bug" or spec.step is None or step < spec.step:
+                continue
+            if not any(text == spec.text for text, _ in self._fired):
+                self._record(trainer, spec, step, run=spec.run, op="aten.nll_loss_forward")
+            mode = OpBug(spec.run)
+            mode.__enter__()
+            self._op_bugs.append(mode)
+
+    def _disarm_op_bugs(self) -> None:
+        while self._op_bugs:
+            self._op_bugs.pop().__exit__(None, None, None)
 
     def _fire(self, trainer: Any, spec: FaultSpec, step: int) -> None:
         kind = spec.kind
+        if kind == "op-bug":
+            return  # armed in _arm_op_bugs, for every step from spec.step on
         if kind == "crash":
             self._record(trainer, spec, step)
             raise InjectedFault(f"injected crash at step {step} ({spec.text})")

@@ -1,0 +1,445 @@
+"""Numerics bisection: run a step on the path it was trained on, check every operator against float64.
+
+Each operator the step's forward and backward dispatch (seen through a `TorchDispatchMode`) is run as
+trained, then run again on the same inputs raised to float64 (the reference path: no fast path, no reduced
+precision). An operator is *faulty* when it raises, when it returns non-finite values where float64 is
+finite, or when its output differs from float64 by more than its dtype's tolerance (norm-wise relative
+error). Comparing each operator on its own inputs, rather than two whole runs, keeps rounding from
+accumulating: the first faulty operator is the culprit, not the last one a divergence reached.
+
+For the culprit the report gives its module path (or the innermost source frame outside the model), its
+inputs' shapes, dtypes and strides, and a property of the data that triggers it: the operator is re-run on
+ever smaller slices of its inputs along their shared leading dimension until the smallest slice that still
+misbehaves is found, and that slice is described (a run of identical ids, non-finite values, ...). Its
+inputs and a short script are written as a minimal reproduction. The whole step is also run on the
+reference path (float64 model, math attention), whose loss and gradient norm say whether the anomaly
+exists in exact arithmetic too (an ML or data cause) or only on the fast path (a library op).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from tenx.errors import TenxError
+from tenx.train.callbacks.record import frame_name
+from tenx.triage.replay import Replayer, StepOutcome, outcome_of_record, step_windows
+
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+"""Norm-wise relative error of one operator's output against float64 beyond which it is faulty."""
+
+_SKIP = {
+    "aten._to_copy",
+    "aten.clone",
+    "aten.copy_",
+    "aten.detach",
+    "aten.lift_fresh",
+    "aten.empty_like",
+    "aten.zeros_like",
+    "aten.ones_like",
+    "aten.fill_",
+    "aten.zero_",
+}
+
+
+@dataclass
+class OpFinding:
+    """The first faulty operator of a step."""
+
+    index: int
+    """Its position among the step's dispatched operators."""
+    op: str
+    phase: str
+    """forward or backward"""
+    module: str
+    """The model module it ran in (forward), the autograd node (backward), or the innermost source frame."""
+    location: str
+    problem: str
+    """raises, non-finite or diverges"""
+    error: float | None
+    tolerance: float
+    message: str
+    inputs: list[dict[str, Any]]
+    """shape, dtype and strides of each tensor argument"""
+    property: dict[str, Any] | None = None
+    """The data that triggers it (see `data_property`)."""
+
+
+@dataclass
+class BisectReport:
+    """The result of `bisect_step`."""
+
+    run_dir: str
+    step: int
+    ops_checked: int
+    first: OpFinding | None
+    trained: StepOutcome
+    reference: StepOutcome
+    recorded: StepOutcome | None
+    repro: str | None
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        lines = [f"tenx triage: step {self.step} of {self.run_dir}: {self.ops_checked} operators checked"]
+        lines.append(f"  trained path   : {self.trained.describe()}")
+        lines.append(f"  reference path : {self.reference.describe()} (float64)")
+        f = self.first
+        if f is None:
+            lines.append("  no operator differs from float64 beyond its tolerance")
+        else:
+            err = f" (error {f.error:.3g}, tolerance {f.tolerance:g})" if f.error is not None else ""
+            lines.append(f"  first faulty operator: {f.op} [{f.phase}] in {f.module}: {f.problem}{err}")
+            lines.append(f"    at {f.location}")
+            for i, t in enumerate(f.inputs):
+                lines.append(f"    input {i}: {t['dtype']} {t['shape']} strides {t['strides']}")
+            if f.property:
+                lines.append(f"    triggered by: {f.property['text']}")
+        if self.repro:
+            lines.append(f"  minimal reproduction: {self.repro}")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def _op_name(func: Any) -> str:
+    return f"aten.{func._schema.name.split('::')[-1]}" + (
+        f".{func._overloadname}" if func._overloadname != "default" else ""
+    )
+
+
+def _upcast(x: Any) -> Any:
+    if torch.is_tensor(x) and x.is_floating_point():
+        return x.detach().to(torch.float64)
+    return x
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def compare(fast: Any, ref: Any) -> tuple[str | None, float | None, float]:
+    """(problem or None, norm-wise relative error, tolerance) of an op's outputs against float64."""
+    worst, tol = 0.0, 0.0
+    for a, r in zip(_tensors(fast), _tensors(ref)):
+        if not a.is_floating_point() or a.dtype == torch.float64 or a.numel() == 0:
+            continue
+        tol = max(tol, TOLERANCE.get(a.dtype, 1e-3))
+        a64 = a.detach().to(torch.float64)
+        finite_r, finite_a = torch.isfinite(r), torch.isfinite(a64)
+        if bool((finite_r & ~finite_a).any()):
+            return "non-finite", None, TOLERANCE.get(a.dtype, 1e-3)
+        both = finite_r & finite_a
+        diff = torch.linalg.vector_norm(torch.where(both, a64 - r, 0.0))
+        scale = torch.linalg.vector_norm(torch.where(both, r, 0.0))
+        err = float(diff / scale) if float(scale) > 0 else float(diff)
+        if err > TOLERANCE.get(a.dtype, 1e-3):
+            return "diverges", err, TOLERANCE.get(a.dtype, 1e-3)
+        worst = max(worst, err)
+    return None, worst, tol
+
+
+def misbehaves(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """How `func` on these inputs differs from float64 (raises, non-finite, diverges), or None."""
+    try:
+        fast = func(*args, **kwargs)
+    except Exception:
+        return "raises"
+    try:
+        ref = func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs))
+    except Exception:
+        return None  # no float64 kernel: nothing to compare with
+    return compare(fast, ref)[0]
+
+
+class OpChecker(TorchDispatchMode):
+    """Checks every dispatched operator against float64 until the first faulty one (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.count = 0
+        self.first: OpFinding | None = None
+        self.first_call: tuple[Any, tuple, dict] | None = None
+        self._modules: list[str] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> OpChecker:
+        for name, module in self.model.named_modules():
+            label = name or "model"
+            self._handles.append(
+                module.register_forward_pre_hook(lambda m, a, n=label: self._modules.append(n))
+            )
+            self._handles.append(module.register_forward_hook(lambda m, a, o: self._pop()))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return super().__exit__(*exc)
+
+    def _pop(self) -> None:
+        if self._modules:
+            self._modules.pop()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        check = self.first is None and name not in _SKIP and not func.is_view and not func._schema.is_mutable
+        saved = (
+            tree_map(lambda x: x.detach().clone() if torch.is_tensor(x) else x, (args, kwargs))
+            if check
+            else None
+        )
+        self.count += 1
+        try:
+            out = func(*args, **kwargs)
+        except Exception as error:
+            if check and saved is not None:
+                self._found(func, name, saved, "raises", None, 0.0, f"{type(error).__name__}: {error}")
+            raise
+        if not check or saved is None or not any(t.is_floating_point() for t in _tensors(out)):
+            return out
+        try:
+            ref = func(*tree_map(_upcast, saved[0]), **tree_map(_upcast, saved[1]))
+        except Exception:
+            return out  # this operator has no float64 kernel: unchecked
+        problem, err, tol = compare(out, ref)
+        if problem:
+            self._found(func, name, saved, problem, err, tol, f"{problem} against float64")
+        return out
+
+    def _found(
+        self, func: Any, name: str, saved: Any, problem: str, err: float | None, tol: float, message: str
+    ) -> None:
+        node = torch._C._current_autograd_node()
+        phase = "backward" if node is not None else "forward"
+        location = _source_location()
+        if node is not None:
+            module = node.name()
+        elif self._modules and self._modules[-1] != "model":
+            module = self._modules[-1]
+        else:
+            module = location
+        args, kwargs = saved
+        self.first = OpFinding(
+            index=self.count,
+            op=name,
+            phase=phase,
+            module=module,
+            location=location,
+            problem=problem,
+            error=err,
+            tolerance=tol,
+            message=message,
+            inputs=[
+                {
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                    "strides": list(t.stride()),
+                }
+                for t in _tensors(list(args))
+            ],
+        )
+        self.first_call = (func, args, kwargs)
+
+
+def _source_location() -> str:
+    """The innermost frame of tenx's model or loss code (else of any tenx code) on the current stack."""
+    frames = [f for f in traceback.extract_stack() if "/tenx/" in f.filename and "/triage/" not in f.filename]
+    model = [f for f in frames if "/tenx/model/" in f.filename]
+    pick = (model or frames or traceback.extract_stack())[-1]
+    return frame_name(pick.filename, pick.lineno, pick.name)
+
+
+def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = None) -> dict[str, Any] | None:
+    """The smallest slice of the inputs (along their shared leading dimension) on which `func` still
+    misbehaves, and what distinguishes it; None when the whole input is needed."""
+    tensors = [a for a in args if torch.is_tensor(a) and a.dim() >= 1]
+    if not tensors:
+        return None
+    n = tensors[0].shape[0]
+    sliced = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.dim() >= 1 and a.shape[0] == n]
+
+    def bad(lo: int, hi: int) -> bool:
+        part = tuple(a[lo:hi] if i in sliced else a for i, a in enumerate(args))
+        return misbehaves(func, part, kwargs) is not None
+
+    if n < 2 or not bad(0, n):
+        return None
+    lo, hi = 0, n
+    a, b = 1, n  # smallest hi with bad(0, hi)
+    while a < b:
+        mid = (a + b) // 2
+        if bad(0, mid):
+            b = mid
+        else:
+            a = mid + 1
+    hi = a
+    a, b = 0, hi - 1  # largest lo with bad(lo, hi)
+    while a < b:
+        mid = (a + b + 1) // 2
+        if bad(mid, hi):
+            a = mid
+        else:
+            b = mid - 1
+    lo = a
+    prop: dict[str, Any] = {"start": lo, "end": hi, "length": hi - lo, "argument": None}
+    for i in sliced:
+        part = args[i][lo:hi]
+        if not part.is_floating_point() and part.numel() and bool((part == part.reshape(-1)[0]).all()):
+            value = int(part.reshape(-1)[0])
+            prop.update(kind="identical-run", argument=i, value=value)
+            prop["text"] = (
+                f"a run of {hi - lo} identical values ({value}) in input {i} of {_op_name(func)}; a shorter "
+                "run does not trigger it"
+            )
+            break
+        if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+            prop.update(kind="non-finite-input", argument=i, text=f"non-finite values in input {i}")
+            break
+        if part.is_floating_point() and part.dim() >= 2 and bool((part == part[:1]).all()):
+            prop.update(kind="identical-rows", argument=i, text=f"{hi - lo} identical rows in input {i}")
+            break
+    else:
+        prop.update(kind="slice", text=f"rows {lo}..{hi} of the inputs (no simpler property found)")
+    if seq_len:
+        prop["positions"] = [divmod(lo, seq_len), divmod(hi - 1, seq_len)]
+    return prop
+
+
+REPRO_SCRIPT = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
+
+Runs the operator on its recorded inputs as the run did (with the library as the run had it) and on the
+same inputs in float64, and prints how they differ. Exit status 1: it still misbehaves.
+"""
+
+import sys
+from pathlib import Path
+
+from tenx.triage.bisect import run_repro
+
+sys.exit(run_repro(Path(__file__).parent))
+'''
+
+
+def write_repro(
+    out_dir: Path, func: Any, args: tuple, kwargs: dict, op_bugs: list[str], run_dir: str
+) -> Path:
+    """Write the operator's tensor inputs (safetensors), its other arguments (JSON) and a script."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors, spec = {}, []
+    for i, a in enumerate(args):
+        if torch.is_tensor(a):
+            tensors[f"arg{i}"] = a.detach().contiguous().cpu()
+            spec.append({"tensor": f"arg{i}"})
+        else:
+            spec.append({"value": a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)})
+    save_file(tensors, str(out_dir / "inputs.safetensors"))
+    meta = {
+        "op": _op_name(func),
+        "args": spec,
+        "kwargs": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str, type(None)))},
+        "op_bugs": op_bugs,
+        "run_dir": run_dir,
+    }
+    (out_dir / "repro.json").write_text(json.dumps(meta, indent=1))
+    (out_dir / "repro.py").write_text(REPRO_SCRIPT)
+    return out_dir / "repro.py"
+
+
+def run_repro(folder: Path) -> int:
+    """Body of repro.py: 1 when the operator still misbehaves on its inputs, else 0."""
+    import contextlib
+
+    from safetensors.torch import load_file
+
+    from tenx.train.callbacks.faults import parse_fault
+    from tenx.train.callbacks.opbug import OpBug
+
+    meta = json.loads((folder / "repro.json").read_text())
+    name = str(meta["op"])
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or parts[0] != "aten" or not all(p.isidentifier() for p in parts):
+        raise TenxError(f"{folder / 'repro.json'}: op {name!r} is not an aten operator name")
+    packet = getattr(torch.ops.aten, parts[1])
+    func = getattr(packet, parts[2] if len(parts) == 3 else "default")
+    tensors = load_file(str(folder / "inputs.safetensors"))
+    args = tuple(tensors[a["tensor"]] if "tensor" in a else a.get("value") for a in meta["args"])
+    with contextlib.ExitStack() as stack:
+        for text in meta.get("op_bugs", []):
+            stack.enter_context(OpBug(parse_fault(text).run))
+        problem = misbehaves(func, args, dict(meta.get("kwargs", {})))
+    print(f"{name} on {folder / 'inputs.safetensors'}: " + (problem or "agrees with float64"))
+    return 1 if problem else 0
+
+
+def bisect_step(
+    run_dir: str | Path,
+    step: int,
+    *,
+    at_time: float | None = None,
+    recorded: StepOutcome | None = None,
+    repro_dir: Path | None = None,
+) -> BisectReport:
+    """Replay `step` on the trained path with every operator checked, then on the reference path."""
+    t0 = time.perf_counter()
+    replayer = Replayer(run_dir)
+    record = replayer.record_of(step, after=at_time) if recorded is None else None
+    if recorded is None and record is not None:
+        recorded = outcome_of_record(record)
+    before = at_time if at_time is not None else (float(record["time"]) if record else None)
+    chain = replayer.timeline(step, before)
+    windows = step_windows(replayer, step, record, chain)
+    replayer.rebuild(step, chain)
+    snap = replayer.snapshot()
+    assert replayer.model is not None
+    checker = OpChecker(replayer.model)
+    trained = replayer.run_step(step, windows, apply=False, capture=lambda: checker)
+    replayer.restore(snap)
+    replayer.to_reference()
+    reference = replayer.run_step(step, windows, apply=False)
+    notes = list(replayer.notes)
+    if replayer.cfg.train.compile:
+        notes.append("the run used torch.compile; operators were checked in eager mode on its precision")
+    repro = None
+    if checker.first is not None and checker.first_call is not None:
+        func, args, kwargs = checker.first_call
+        with replayer.library():
+            checker.first.property = data_property(func, args, kwargs, replayer.seq_len)
+        if repro_dir is not None:
+            specs = [t for t in replayer.cfg.faults.inject if t.strip().startswith("op-bug@")]
+            repro = str(write_repro(repro_dir, func, args, kwargs, specs, str(run_dir)))
+    if not math.isfinite(trained.loss or 0.0) and trained.loss is not None:
+        notes.append("the trained path's loss is not finite")
+    return BisectReport(
+        run_dir=str(run_dir),
+        step=step,
+        ops_checked=checker.count,
+        first=checker.first,
+        trained=trained,
+        reference=reference,
+        recorded=recorded,
+        repro=repro,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )

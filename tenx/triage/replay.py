@@ -1,0 +1,549 @@
+"""Exact replay of one training step: `tenx replay RUN_DIR --step N [--repeat K]`.
+
+The state before step N is rebuilt from the newest verified checkpoint before it that lies on the same
+timeline (its loader position matches the step record of its step; before the first checkpoint: the
+seeded initialisation), then steps are re-executed deterministically on the data positions recorded in
+RUN_DIR/steps.jsonl, with the guard's recorded decisions (a step the run skipped is skipped again). Step N
+is then run `repeat` times from that same state and each outcome (loss and gradient norm bits, digest,
+or the exception and its innermost frame) is compared with the record:
+
+- `reproduces`: every repeat equals the record bit for bit (deterministic: an ML or data cause, or a
+  deterministic library bug);
+- `does-not-reproduce`: the repeats agree with each other but not with the record (transient: hardware
+  or environment); the first re-executed step that already differed from its record is named;
+- `differs-between-repeats`: non-determinism, a race.
+
+Data-parallel runs are replayed in one process: each rank's micro-batches are run in turn and their
+gradients averaged as the all-reduce does. With 2 ranks this is bitwise (a sum of two floats does not
+depend on order, and halving is exact); with more ranks the reduction order of the collective is not
+known, and FSDP's sharded reduce-scatter is not reproduced bit for bit either: the report says so, and
+outcomes are then compared within the precision's tolerance. Replica groups (torchft) are not replayed.
+
+The op-bug fault is part of "the library the run used" and is installed again; every other fault is a
+one-shot event (what replay exists to tell apart) and is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from tenx import checkpoint as ckpt
+from tenx import rundir as rd
+from tenx.data.loader import TokenLoader, TokenStream
+from tenx.errors import CheckpointError, DataError, TenxError
+from tenx.model.transformer import Transformer, lm_loss
+from tenx.plan.hardware import pick_device
+from tenx.train.callbacks.faults import parse_fault
+from tenx.train.callbacks.opbug import OpBug
+from tenx.train.callbacks.record import error_frames, read_steps, step_digest
+from tenx.train.config import RunConfig, accumulation_steps, load_run_config
+from tenx.train.config import tokens_per_step as run_tokens_per_step
+from tenx.train.config import total_steps as run_total_steps
+from tenx.train.guard import StepGuard
+from tenx.train.optim import build_optimizer, lr_at
+from tenx.train.rng import seed_everything
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-9}
+"""Relative tolerance for comparing a loss or gradient norm when a replay cannot be bitwise."""
+
+
+@dataclass
+class StepOutcome:
+    """What one execution of a step produced: its loss and gradient norm, or the exception it raised."""
+
+    loss: float | None = None
+    grad_norm: float | None = None
+    digest: str | None = None
+    skipped: str | None = None
+    exception: str | None = None
+    message: str | None = None
+    frames: list[str] = field(default_factory=list)
+
+    @property
+    def crashed(self) -> bool:
+        return self.exception is not None
+
+    def matches(self, other: StepOutcome, rtol: float = 0.0) -> bool:
+        """Bit for bit (rtol 0) or within `rtol`; a crash matches a crash of the same type at the same frame."""
+        if self.crashed or other.crashed:
+            return (self.exception, self.frames[:1]) == (other.exception, other.frames[:1])
+        if rtol == 0.0:
+            return self.digest == other.digest
+        return _close(self.loss, other.loss, rtol) and _close(self.grad_norm, other.grad_norm, rtol)
+
+    def describe(self) -> str:
+        if self.crashed:
+            where = f" at {self.frames[0]}" if self.frames else ""
+            return f"{self.exception}: {self.message}{where}"
+        skipped = f", skipped ({self.skipped})" if self.skipped else ""
+        return f"loss {self.loss!r}, grad norm {self.grad_norm!r} (digest {self.digest}){skipped}"
+
+
+def _close(a: float | None, b: float | None, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+def outcome_of_record(record: dict[str, Any]) -> StepOutcome:
+    """The outcome a steps.jsonl record describes (its digest recomputed from the exact values)."""
+    loss, grad_norm = float(record["loss"]), float(record["grad_norm"])
+    return StepOutcome(loss, grad_norm, step_digest(loss, grad_norm), record.get("skipped"))
+
+
+def outcome_of_crash(event: dict[str, Any]) -> StepOutcome:
+    """The outcome a `crash` event describes."""
+    return StepOutcome(
+        exception=str(event.get("exception")),
+        message=str(event.get("message", "")),
+        frames=[str(f) for f in event.get("frames") or []],
+    )
+
+
+@dataclass
+class ReplayReport:
+    """The result of `replay`."""
+
+    run_dir: str
+    step: int
+    checkpoint: str | None
+    """The checkpoint the state was rebuilt from (None: the seeded initialisation)."""
+    recorded: StepOutcome | None
+    outcomes: list[StepOutcome]
+    verdict: str
+    bitwise: bool
+    notes: list[str] = field(default_factory=list)
+    first_divergent: int | None = None
+    """The first re-executed step (before N) whose outcome differed from its record."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        source = self.checkpoint or "the seeded initialisation"
+        lines = [f"tenx replay: step {self.step} of {self.run_dir}, rebuilt from {source}"]
+        if self.recorded is not None:
+            lines.append(f"  recorded : {self.recorded.describe()}")
+        for i, outcome in enumerate(self.outcomes):
+            lines.append(f"  replay {i + 1} : {outcome.describe()}")
+        lines.append(f"  verdict  : {self.verdict}" + ("" if self.bitwise else " (within tolerance)"))
+        if self.first_divergent is not None:
+            lines.append(f"  step {self.first_divergent} already differed from its record when re-executed")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+class Replayer:
+    """Rebuilds a run's training state in this process and re-executes its steps (see the module doc).
+
+    `reference=True` builds the reference path instead: float64 parameters, no autocast, no compile,
+    math attention; the op-bug, when the run had one, stays installed (the reference path is correct
+    because it never takes the fast path). `capture`, when given, is a context manager factory wrapped
+    around each step's forward and backward passes (tenx.triage.bisect uses it).
+    """
+
+    def __init__(self, run_dir: str | Path, *, reference: bool = False) -> None:
+        self.rundir = rd.RunDir(run_dir)
+        if not self.rundir.config.is_file():
+            raise TenxError(f"{self.rundir.root}: no {rd.CONFIG}: not a tenx run directory")
+        self.cfg: RunConfig = load_run_config(self.rundir.config)
+        self.reference = reference
+        self.notes: list[str] = []
+        prov = _read_json(self.rundir.provenance)
+        tc = self.cfg.train
+        threads = tc.threads or int(prov.get("hardware", {}).get("torch_threads") or 0)
+        if threads:
+            torch.set_num_threads(threads)  # a matmul's blocking, so its bits, may depend on it
+        self.device = pick_device(tc.device, "train.device")
+        precision = str(prov.get("precision", "float32"))
+        self.amp_dtype = torch.float64 if reference else _DTYPES.get(precision, torch.float32)
+        self.world_size = int(prov.get("world_size", 1))
+        self.strategy = str(prov.get("strategy", "none"))
+        if self.cfg.parallel.replicas.mode != "off":
+            raise TenxError(
+                f"{self.rundir.root}: the run used replica groups (parallel.replicas.mode="
+                f"{self.cfg.parallel.replicas.mode!r}); replay covers single-process, DDP and FSDP runs"
+            )
+        self.stream = TokenStream(
+            self.cfg.data.dir,
+            self.cfg.data.train_split,
+            verify=True,
+            max_tokens=self.cfg.data.max_unique_tokens,
+            on_corrupt="skip",
+        )
+        vocab = int(self.stream.manifest["tokenizer"]["vocab_size"])
+        self.model_cfg = self.cfg.model.resolved(vocab)
+        self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
+        self.data_parallel = self.world_size
+        self.grad_accum = accumulation_steps(tc, self.data_parallel)
+        self.total_steps = run_total_steps(
+            tc, run_tokens_per_step(tc, self.model_cfg.seq_len, self.data_parallel)
+        )
+        self.bitwise = not reference and (
+            self.data_parallel <= 2 and self.strategy in ("none", "ddp", "single")
+        )
+        if self.data_parallel > 2:
+            self.notes.append(
+                f"{self.data_parallel} data-parallel ranks replayed in one process: the all-reduce's "
+                "summation order is not reproduced, so outcomes are compared within tolerance"
+            )
+        if self.strategy == "fsdp":
+            self.notes.append("FSDP's reduce-scatter is not reproduced bit for bit in one process")
+            self.bitwise = False
+        if self.device.type != str(prov.get("hardware", {}).get("device", self.device.type)).split(":")[0]:
+            self.notes.append("replayed on a different device type than the run: not bitwise")
+            self.bitwise = False
+        self.op_bugs = [parse_fault(t) for t in self.cfg.faults.inject if t.strip().startswith("op-bug@")]
+        self.records = read_steps(self.rundir.steps)
+        self.model: Transformer | None = None
+        self.guard = StepGuard(self.cfg.guard)
+
+    # ----- state ------------------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        """The run's initial state: seeded initialisation, as build_parts does it."""
+        seed_everything(self.cfg.train.seed)
+        self.model = Transformer(self.model_cfg).to(self.device)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
+        self.guard = StepGuard(self.cfg.guard)
+        self.step = 0
+
+    def _load(self, path: Path) -> None:
+        self._fresh()
+        assert self.model is not None
+        tensors: dict[str, Any] = {
+            "model": get_model_state_dict(self.model),
+            "optim": {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]},
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        meta = ckpt.load_checkpoint(path, tensors, verify=True, require=("model", "optim_param_groups"))
+        set_model_state_dict(self.model, tensors["model"])
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            {"state": tensors["optim"]["state"], "param_groups": meta["optim_param_groups"]},
+        )
+        torch.set_rng_state(tensors["rng"]["torch"])
+        self.guard.load_state_dict(meta.get("guard", {}))
+        self.step = int(meta["step"])
+
+    def timeline(self, step: int, before: float | None = None) -> dict[int, dict[str, Any]]:
+        """Step -> record, for the steps before `step` on the timeline that led to it (see module doc)."""
+        chain: dict[int, dict[str, Any]] = {}
+        for record in self.records:
+            if before is not None and float(record.get("time", 0.0)) >= before:
+                break
+            if record["step"] < step:
+                chain[record["step"]] = record
+                for later in [s for s in chain if s > record["step"]]:
+                    del chain[later]  # a rollback or a restart: later steps are taken again
+        return chain
+
+    def record_of(self, step: int, after: float | None = None) -> dict[str, Any] | None:
+        """The record of `step`: the first written at or after `after`, else the last one."""
+        found = [r for r in self.records if r["step"] == step]
+        if after is not None:
+            later = [r for r in found if float(r.get("time", 0.0)) >= after - 1e-3]
+            return later[0] if later else None
+        return found[-1] if found else None
+
+    def rebuild(self, step: int, chain: dict[int, dict[str, Any]]) -> tuple[Path | None, int | None]:
+        """Load the state before `step`; returns (checkpoint or None, first re-executed step that differed)."""
+        source: Path | None = None
+        for c, path in reversed(ckpt.list_checkpoints(self.rundir.checkpoints)):
+            if c >= step or (c > 0 and c not in chain):
+                continue
+            try:
+                meta = ckpt.read_checkpoint_meta(path, require=("loader.epoch", "loader.cursor"))
+            except CheckpointError:
+                continue
+            loader = meta["loader"]
+            position = int(loader["epoch"]) * int(loader["num_windows"]) + int(loader["cursor"])
+            if chain[c].get("position") and position != chain[c]["position"][1]:
+                continue  # a checkpoint of another timeline (saved before a rollback's data skip)
+            try:
+                self._load(path)
+            except CheckpointError as e:
+                self.notes.append(f"skipped {path}: {e}")
+                continue
+            source = path
+            break
+        if source is None:
+            if any(s not in chain for s in range(1, step)):
+                missing = min(s for s in range(1, step) if s not in chain)
+                raise TenxError(
+                    f"{self.rundir.root}: no verified checkpoint before step {step} on its timeline, and "
+                    f"no record of step {missing} in {rd.STEPS} to re-execute from the start"
+                )
+            self._fresh()
+        first_divergent = None
+        for s in range(self.step + 1, step):
+            record = chain[s]
+            outcome = self.run_step(s, record["windows"], apply=record.get("skipped") is None)
+            if first_divergent is None and not outcome.matches(outcome_of_record(record), self.rtol):
+                first_divergent = s
+        return source, first_divergent
+
+    @property
+    def rtol(self) -> float:
+        return 0.0 if self.bitwise else TOLERANCE.get(self.amp_dtype, 1e-5)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The model, optimizer and guard state (copies), to run a step several times from one state."""
+        assert self.model is not None
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optim": _clone(self.optimizer.state_dict()),
+            "guard": self.guard.state_dict(),
+            "step": self.step,
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        assert self.model is not None
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(_clone(snap["optim"]))
+        self.guard.load_state_dict(snap["guard"])
+        self.step = snap["step"]
+
+    # ----- data ---------------------------------------------------------------------------------------
+    def windows_at(self, position: int, skips: list[list[int]]) -> list[list[int]]:
+        """The global window ids per micro-batch of a step that starts at loader `position`."""
+        loader = TokenLoader(
+            self.stream,
+            self.seq_len,
+            self.micro_batch,
+            seed=self.cfg.train.seed,
+            world_size=self.data_parallel,
+        )
+        for start, end in skips:
+            loader.add_skip(int(start), int(end))
+        loader._seek(position)
+        return [loader._take_windows(self.micro_batch * self.data_parallel) for _ in range(self.grad_accum)]
+
+    def batch(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of windows `ids`; a window whose shard no longer verifies is a DataError."""
+        rows = []
+        for w in ids:
+            if not self.stream.window_ok(w * self.seq_len, self.seq_len + 1):
+                bad = "; ".join(self.stream.bad_shards.values())
+                raise DataError(f"window {w} lies in a shard that fails its checksum now ({bad})")
+            rows.append(torch.from_numpy(self.stream.read(w * self.seq_len, self.seq_len + 1)))
+        tokens = torch.stack(rows)
+        return tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
+
+    # ----- the step -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def library(self) -> Iterator[None]:
+        """The library as the run had it: its op-bug faults installed."""
+        with contextlib.ExitStack() as stack:
+            for spec in self.op_bugs:
+                stack.enter_context(OpBug(spec.run))
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype in (torch.float32, torch.float64):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def run_step(
+        self,
+        step: int,
+        windows: list[list[int]],
+        *,
+        apply: bool | None = None,
+        capture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> StepOutcome:
+        """Execute step `step` on `windows` (global ids per micro-batch) from the current state.
+
+        `apply`: whether to take the optimizer step (None: as the guard decides now; True/False: as the
+        record says). Exceptions from the forward or backward are returned as the outcome.
+        """
+        assert self.model is not None
+        model, mb, accum = self.model, self.micro_batch, self.grad_accum
+        lr = lr_at(step - 1, self.total_steps, self.cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        model.train()
+        params = list(model.parameters())
+        grads: list[list[torch.Tensor | None]] = []
+        losses: list[torch.Tensor] = []
+        try:
+            with self.library(), capture() if capture else contextlib.nullcontext():
+                for rank in range(self.data_parallel):
+                    loss_sum = torch.zeros((), device=self.device, dtype=self._loss_dtype)
+                    for ids in windows:
+                        inputs, targets = self.batch(ids[rank * mb : (rank + 1) * mb])
+                        with self.autocast(), _attention(self.reference):
+                            logits = model(inputs)
+                        loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss, self._loss_dtype)
+                        (loss / accum).backward()
+                        loss_sum += ce.detach()
+                    losses.append(loss_sum)
+                    if self.data_parallel > 1:
+                        grads.append(
+                            [p.grad.detach().clone() if p.grad is not None else None for p in params]
+                        )
+                        self.optimizer.zero_grad(set_to_none=True)
+        except DataError:
+            raise
+        except Exception as error:  # the step's own failure is the outcome to compare
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepOutcome(
+                exception=type(error).__name__, message=str(error)[:2000], frames=error_frames(error)
+            )
+        loss_sum = losses[0]
+        if self.data_parallel > 1:
+            for other in losses[1:]:
+                loss_sum = loss_sum + other
+            loss_sum = loss_sum / self.data_parallel
+            for i, p in enumerate(params):
+                parts = [g[i] for g in grads if g[i] is not None]
+                if parts:
+                    total = parts[0].clone()
+                    for part in parts[1:]:
+                        total += part
+                    p.grad = total / self.data_parallel
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+        loss_value = (loss_sum / accum).item()
+        verdict = self.guard.check(loss_value, grad_norm)
+        take = verdict is None if apply is None else apply
+        if take:
+            self.optimizer.step()
+            self.guard.record_good(loss_value, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        return StepOutcome(loss_value, grad_norm, step_digest(loss_value, grad_norm), verdict)
+
+    @property
+    def _loss_dtype(self) -> torch.dtype:
+        return torch.float64 if self.reference else torch.float32
+
+    def to_reference(self) -> None:
+        """Switch the rebuilt state to the reference path: float64 parameters and optimizer state."""
+        assert self.model is not None
+        self.reference, self.amp_dtype, self.bitwise = True, torch.float64, False
+        self.model.double()
+        for state in self.optimizer.state.values():
+            for k, v in list(state.items()):
+                if torch.is_tensor(v) and v.is_floating_point() and k != "step":
+                    state[k] = v.double()
+
+
+def _attention(reference: bool) -> contextlib.AbstractContextManager[Any]:
+    if not reference:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _clone(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def step_windows(replayer: Replayer, step: int, record: dict[str, Any] | None, chain: dict[int, Any]) -> list:
+    """The data of `step`: its record's windows, else those after the previous step's end position."""
+    if record is not None and record.get("windows"):
+        return record["windows"]
+    previous = chain.get(step - 1)
+    skips_file = _read_json(replayer.rundir.data_skips).get("skips", [])
+    if previous is None:
+        if step != 1:
+            raise TenxError(
+                f"no record of step {step - 1} in {replayer.rundir.steps}: cannot tell step {step}'s data"
+            )
+        return replayer.windows_at(0, [])
+    skips = skips_file[: int(previous.get("skips", 0))]
+    return replayer.windows_at(int(previous["position"][1]), skips)
+
+
+def replay(
+    run_dir: str | Path,
+    step: int,
+    *,
+    repeat: int = 2,
+    at_time: float | None = None,
+    recorded: StepOutcome | None = None,
+) -> ReplayReport:
+    """Rebuild the state before `step` and run it `repeat` times; compare with the record (module doc).
+
+    `at_time` picks the execution of `step` an incident saw (the records written before it form its
+    timeline); `recorded` overrides the outcome to compare with (a crash event's exception).
+    """
+    t0 = time.perf_counter()
+    if repeat < 1:
+        raise TenxError(f"--repeat must be >= 1, got {repeat}")
+    replayer = Replayer(run_dir)
+    record = replayer.record_of(step, after=at_time) if recorded is None else None
+    if recorded is None and record is not None:
+        recorded = outcome_of_record(record)
+    before = at_time if at_time is not None else (float(record["time"]) if record else None)
+    chain = replayer.timeline(step, before)
+    try:
+        windows = step_windows(replayer, step, record, chain)
+        source, first_divergent = replayer.rebuild(step, chain)
+        snap = replayer.snapshot()
+        outcomes = []
+        for i in range(repeat):
+            if i:
+                replayer.restore(snap)
+            outcomes.append(replayer.run_step(step, windows, apply=False))
+    except DataError as e:
+        raise TenxError(
+            f"cannot replay step {step} of {run_dir}: the data changed since it ran: {e}"
+        ) from None
+    rtol = replayer.rtol
+    if any(not o.matches(outcomes[0], rtol) for o in outcomes[1:]):
+        verdict = "differs-between-repeats"
+    elif recorded is None:
+        verdict = "no-record"
+    elif outcomes[0].matches(recorded, rtol):
+        verdict = "reproduces"
+    else:
+        verdict = "does-not-reproduce"
+    return ReplayReport(
+        run_dir=str(run_dir),
+        step=step,
+        checkpoint=str(source) if source else None,
+        recorded=recorded,
+        outcomes=outcomes,
+        verdict=verdict,
+        bitwise=replayer.bitwise,
+        notes=replayer.notes,
+        first_divergent=first_divergent,
+        seconds=time.perf_counter() - t0,
+    )
