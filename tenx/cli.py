@@ -19,6 +19,7 @@ from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
 from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
 from tenx.rundir import RunDir
+from tenx.triage.cli import add_incidents_parser, add_replay_parser, add_triage_parser
 from tenx.utils.io import STORAGE_ERRNOS, storage_error
 
 
@@ -478,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_parser(sub)  # `tenx predict`: a whole loss curve with a band
     add_dashboard_parser(sub)  # `tenx dashboard RUN_DIR...`: a live page of runs (tenx/monitor/dashboard/)
     add_report_parser(sub)  # `tenx report RUN_DIR... -o FILE`: the same page as one offline file
+    add_incidents_parser(sub)  # `tenx incidents RUN_DIR...`: every anomaly of runs (tenx/triage/)
+    add_replay_parser(sub)
+    add_triage_parser(sub)
 
     ep = sub.add_parser("eval", help="bits per byte on held-out data")
     ep.add_argument("target", help="run directory or checkpoint directory")

@@ -9,6 +9,10 @@ newest checkpoint that verifies. What is retried and what is not:
   cannot fix it, so the supervisor stops and says so.
 - anything else (an exception: 1; the watchdog: 3; a signal such as SIGKILL): restart.
 
+An exception at the same step in two attempts in a row is deterministic (a bad batch, or a library bug
+it triggers): before the next attempt the data of that step is skipped (RUN_DIR/data_skips.json, a
+`data-skipped` event), as the guard does after a streak of bad steps.
+
 Restarts are limited: at most `max_restarts` in all, and the supervisor gives up when the same failure
 (same exit status at the same step) happens `same_failure_limit` times in a row. Attempts that made no
 progress wait `backoff_s`, doubling up to a minute, before the next start.
@@ -33,9 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
-from tenx.monitor.events import EventLog
+from tenx.monitor.events import EventLog, read_events
 from tenx.monitor.goodput import Ledger, read_ledger
+from tenx.rundir import RunDir
 from tenx.train.watchdog import EXIT_HANG
+from tenx.utils.io import atomic_write_json
 
 EXIT_USAGE = 2
 """Exit status of a run that stopped with an error restarting cannot fix."""
@@ -183,7 +189,7 @@ def supervise(
                 else train_args
             )
             ledger.launch(attempt)
-            started = time.monotonic()
+            started, launched_at = time.monotonic(), time.time()
             child = spares.take(args)
             if child is None:
                 child = subprocess.Popen([*prefix, *args], env=env)
@@ -209,6 +215,8 @@ def supervise(
             prev = report.attempts[-2] if len(report.attempts) > 1 else None
             same = prev is not None and (prev.returncode, prev.last_step) == (returncode, last_step)
             same_failures = same_failures + 1 if same else 1
+            if same and returncode == 1:
+                _skip_crashing_data(run_dir, events, launched_at)
             if same_failures >= same_failure_limit:
                 report.gave_up = (
                     f"the same failure ({reason}) happened {same_failures} times in a row at step "
@@ -245,6 +253,45 @@ def supervise(
         gave_up=report.gave_up,
     )
     return report
+
+
+def _skip_crashing_data(run_dir: Path, events: EventLog, since: float) -> None:
+    """A crash that repeats at the same step after a restart is deterministic: its data is skipped.
+
+    The attempt's last `crash` event names the loader positions [start, end) of the step it died in; they
+    join RUN_DIR/data_skips.json (as a guard rollback's do), so the next attempt trains past them, and a
+    `data-skipped` event records it. `tenx triage` then finds out why the step crashed."""
+    crashes = [
+        e
+        for e in read_events(run_dir)
+        if e.get("kind") == "crash" and float(e.get("time", 0)) >= since and e.get("phase") == "step"
+    ]
+    position = crashes[-1].get("position") if crashes else None
+    if not (isinstance(position, list) and len(position) == 2 and all(isinstance(p, int) for p in position)):
+        return
+    start, end = position
+    if not 0 <= start < end:
+        return
+    path = RunDir(run_dir).data_skips
+    try:
+        skips = json.loads(path.read_text())["skips"] if path.exists() else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # leave a damaged file alone: the trainer names it when it reads it
+    if [start, end] in skips:
+        return
+    atomic_write_json(path, {"skips": [*skips, [start, end]]})
+    events.emit(
+        "data-skipped",
+        crashes[-1].get("step"),
+        positions=[start, end],
+        reason=f"{crashes[-1].get('exception')} at the same step in two attempts in a row",
+    )
+    print(
+        f"tenx supervise: step {crashes[-1].get('step')} crashed twice in a row; skipping its data "
+        f"(loader positions {start}..{end}) on the next attempt",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _wait(

@@ -44,6 +44,11 @@ class ConsistencyConfig:
         help="each rank checks its parameters did not change between optimizer steps (names the rank "
         "when two replicas disagree and there is no majority); two checksum passes per step",
     )
+    alone: bool = field(
+        False,
+        help="run the self-check in a lone process too (no replica to compare with): catches parameters "
+        "changed outside an optimizer step (bad memory) on one machine",
+    )
     on_mismatch: Literal["warn", "stop"] = field(
         "warn",
         help="'warn': record the event and train on (you decide: roll back, replace the host); "

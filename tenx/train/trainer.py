@@ -152,10 +152,13 @@ class Trainer(TrainerState):
         position = self.loader.position
         windows: list[int] = []
         self.in_flight = {"step": self.step + 1, "position": [position, None], "windows": windows, "all": []}
-        for i in range(accum):
-            inputs, targets = self.loader.next_batch()
+        batches = []  # the step's data is read first, so a crash record names all of it
+        for _ in range(accum):
+            batches.append(self.loader.next_batch())
             windows.extend(self.loader.last_windows)
             self.in_flight["all"].append(self.loader.last_global_windows)
+        self.in_flight["position"][1] = self.loader.position
+        for i, (inputs, targets) in enumerate(batches):
             inputs, targets = (
                 inputs.to(self.device, non_blocking=True),
                 targets.to(self.device, non_blocking=True),
@@ -166,7 +169,6 @@ class Trainer(TrainerState):
                 loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
                 (loss / accum).backward()
             loss_sum += ce.detach()
-        self.in_flight["position"][1] = self.loader.position
         all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
         self.sync.reduce(self.raw_model, loss_sum)  # replica groups, sync mode: average across groups
         self._emit("pre_optim_step")

@@ -49,9 +49,10 @@ class ConsistencyCheck(Callback):
 
     # -- hook events -------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any) -> None:
-        self._active = self.cfg.every > 0 and not (trainer.world_size == 1 and trainer.replicas is None)
+        lone = trainer.world_size == 1 and trainer.replicas is None
+        self._active = self.cfg.every > 0 and (not lone or (self.cfg.alone and self.cfg.self_check))
         if not self._active:
-            return  # a lone process has no replica to agree with
+            return  # a lone process has no replica to agree with (unless asked to check itself)
         self._self_check = self.cfg.self_check
         if self._self_check:
             self._record(trainer)

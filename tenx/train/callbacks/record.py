@@ -12,6 +12,7 @@ innermost frames, the full traceback and the data in flight.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -30,8 +31,10 @@ MAX_FRAMES = 12
 
 
 def step_digest(loss: float, grad_norm: float) -> str:
-    """A 64-bit digest of the exact bits of a step's loss and gradient norm (hex)."""
-    return xxhash.xxh64(struct.pack("<dd", float(loss), float(grad_norm))).hexdigest()
+    """A 64-bit digest of the exact bits of a step's loss and gradient norm (hex); every NaN counts as one
+    (JSON keeps no NaN payload)."""
+    values = [math.nan if math.isnan(v) else float(v) for v in (loss, grad_norm)]
+    return xxhash.xxh64(struct.pack("<dd", *values)).hexdigest()
 
 
 def frame_name(filename: str, lineno: int | None, function: str) -> str:

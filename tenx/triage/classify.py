@@ -1,0 +1,392 @@
+"""Verdicts with evidence, and the root causes behind many incidents (`tenx triage`).
+
+Each incident gets one verdict, the evidence that decided it and a confidence:
+
+| verdict | decided by |
+|---|---|
+| `data` | a shard failed its checksum; or the step reproduces on both paths and its batch is an outlier under the model (its loss is far above other batches' on the same state) |
+| `hardware` | a replica's checksums differ from its peers' or its own (names the rank); or the step does not reproduce when replayed (transient: a machine or environment fault) |
+| `library-op` | the step reproduces, and an operator on the trained path disagrees with float64 (names the op and the data property that triggers it) |
+| `ml` | the step reproduces identically and no operator is at fault: the anomaly is in the math (e.g. the learning rate) |
+| `race` | repeated replays of the step differ from each other |
+| `external` | a signal from outside (a scheduler's SIGTERM) |
+| `unknown` | no test applies (trends, off-prediction, a peer group's failure): the incident stays open |
+
+Root causes ("single-bug theory"): incidents are joined when they share evidence: the same faulty operator
+or the same triggering data property, the same innermost frames of a crash, the same rank, the same shard,
+or (for `ml`) the same config. One cause may show several symptoms at many steps and in several runs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tenx.errors import TenxError
+from tenx.model.transformer import lm_loss
+from tenx.rundir import RunDir
+from tenx.triage.bisect import bisect_step
+from tenx.triage.replay import Replayer, StepOutcome, outcome_of_crash, replay
+from tenx.triage.store import Incident, IncidentStore
+
+OUTLIER_Z = 6.0
+"""A batch whose loss is this many standard deviations above other batches' is anomalous data."""
+
+_REPLAYED = ("crash", "non-finite", "spike", "hang", "exit")
+
+
+@dataclass
+class Verdict:
+    verdict: str
+    confidence: float
+    evidence: dict[str, Any]
+    cause: dict[str, Any] | None
+
+
+@dataclass
+class Cause:
+    """A root cause: the incidents it explains and what they share."""
+
+    verdict: str
+    incidents: list[int]
+    symptoms: list[str]
+    steps: list[int]
+    runs: list[str]
+    op: str | None = None
+    property: str | None = None
+    rank: int | None = None
+    shard: str | None = None
+    evidence: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": self.verdict,
+            "incidents": len(self.incidents),
+            "symptoms": self.symptoms,
+            "op": self.op,
+            "rank": self.rank,
+            "shard": self.shard,
+        }
+
+
+def _batch_zscore(run_dir: str, step: int, at_time: float, others: int = 16) -> float | None:
+    """How far the step's batch's loss lies above `others` random batches', on the state before the step."""
+    replayer = Replayer(run_dir)
+    record = replayer.record_of(step, after=at_time)
+    chain = replayer.timeline(step, at_time)
+    from tenx.triage.replay import step_windows
+
+    windows = step_windows(replayer, step, record, chain)
+    replayer.rebuild(step, chain)
+    assert replayer.model is not None
+    model = replayer.model.eval()
+    rng = random.Random(f"tenx-triage:{step}")
+    size = len(windows[0])
+    n_windows = (len(replayer.stream) - 1) // replayer.seq_len
+
+    def loss_of(ids: list[int]) -> float:
+        inputs, targets = replayer.batch(ids)
+        with torch.no_grad(), replayer.autocast():
+            return float(lm_loss(model(inputs), targets)[1])
+
+    mine = max(loss_of(ids) for ids in windows)
+    baseline = []
+    for _ in range(others):
+        ids = [rng.randrange(n_windows) for _ in range(size)]
+        if all(replayer.stream.window_ok(w * replayer.seq_len, replayer.seq_len + 1) for w in ids):
+            baseline.append(loss_of(ids))
+    if len(baseline) < 4:
+        return None
+    mean = sum(baseline) / len(baseline)
+    std = max((sum((b - mean) ** 2 for b in baseline) / len(baseline)) ** 0.5, 1e-3 * abs(mean), 1e-6)
+    return (mine - mean) / std
+
+
+def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
+    """Replay the incident's step (twice), then bisect it if it reproduces."""
+    event = incident.event
+    step = incident.step
+    if incident.kind in ("hang", "exit"):
+        step = (incident.step or 0) + (1 if incident.kind == "exit" else 0)
+    if step is None or step < 1:
+        return Verdict("unknown", 0.0, {"summary": "no step to replay"}, None)
+    recorded: StepOutcome | None = outcome_of_crash(event) if incident.kind == "crash" else None
+    at_time = float(incident.time)
+    try:
+        rep = replay(incident.run_dir, step, repeat=2, at_time=at_time, recorded=recorded)
+    except TenxError as e:
+        return Verdict("unknown", 0.0, {"summary": f"replay failed: {e}"}, None)
+    evidence: dict[str, Any] = {"replay": rep.verdict, "replay_text": rep.text()}
+    rank = incident.rank
+    if rep.verdict == "differs-between-repeats":
+        evidence["summary"] = f"replays of step {step} differ from each other: non-determinism"
+        return Verdict("race", 0.8, evidence, {"verdict": "race", "frames": incident.frames[:3]})
+    if incident.kind in ("hang", "exit") or rep.verdict == "does-not-reproduce":
+        diverged = f"; step {rep.first_divergent} already differed" if rep.first_divergent else ""
+        evidence["summary"] = (
+            f"step {step} does not reproduce when replayed ({rep.outcomes[0].describe()}){diverged}: "
+            f"transient, a machine or environment fault on rank {rank}"
+        )
+        return Verdict("hardware", 0.7, evidence, {"verdict": "hardware", "rank": rank})
+    if rep.verdict != "reproduces":
+        evidence["summary"] = f"replay of step {step}: {rep.verdict}"
+        return Verdict("unknown", 0.2, evidence, None)
+    report = bisect_step(incident.run_dir, step, at_time=at_time, recorded=recorded, repro_dir=repro_dir)
+    evidence["bisect_text"] = report.text()
+    first = report.first
+    if first is not None:
+        prop = first.property or {}
+        evidence["op"] = first.op
+        evidence["property"] = prop.get("text")
+        evidence["summary"] = (
+            f"reproduces bit for bit; {first.op} ({first.module}) {first.problem} against float64"
+            + (f", triggered by {prop['text']}" if prop.get("text") else "")
+        )
+        evidence["repro"] = report.repro
+        confidence = 0.95 if not report.reference.crashed else 0.8
+        key = {
+            "verdict": "library-op",
+            "op": first.op,
+            "property": prop.get("kind"),
+            "argument": prop.get("argument"),
+        }
+        return Verdict("library-op", confidence, evidence, key)
+    z = _batch_zscore(incident.run_dir, step, at_time)
+    evidence["batch_z"] = z
+    if z is not None and z > OUTLIER_Z:
+        shards = sorted({d.get("shard") for d in incident.data if isinstance(d, dict) and d.get("shard")})
+        evidence["summary"] = (
+            f"reproduces on both paths with no faulty op; its batch's loss is {z:.1f} standard deviations "
+            f"above other batches' on the same model: the data ({', '.join(shards) or 'its windows'})"
+        )
+        return Verdict("data", 0.7, evidence, {"verdict": "data", "shard": shards[0] if shards else None})
+    evidence["summary"] = (
+        f"reproduces bit for bit and on the float64 path ({report.reference.describe()}); no operator "
+        "disagrees with float64 and the batch is ordinary: the math itself (learning rate, init, schedule)"
+    )
+    return Verdict("ml", 0.75, evidence, {"verdict": "ml", "config": incident.config_hash})
+
+
+_REPORTED = ("TenxError", "DataError", "CheckpointError", "ConfigError", "UnsafeCheckpointError")
+"""Errors tenx raises itself to stop a run (the guard gave up, a consistency stop): consequences."""
+
+
+def _consequence(incident: Incident, earlier: list[Incident]) -> Verdict | None:
+    """A crash that is the consequence of an earlier incident of the same attempt takes its verdict.
+
+    tenx stopping the run on purpose (the guard giving up after bad steps), a failure outside the step
+    (in a hook after it), or a collective failing because a peer died are not causes of their own."""
+    event = incident.event
+    peer = any(s in str(incident.message or "") for s in ("Connection closed by peer", "Connection reset"))
+    if incident.kind != "crash" or not (
+        event.get("phase") == "after-step" or incident.exception in _REPORTED or peer
+    ):
+        return None
+    before = [
+        e
+        for e in earlier
+        if e.run_dir == incident.run_dir
+        and e.attempt == incident.attempt
+        and e.verdict
+        and e.id < incident.id
+    ]
+    if not before:
+        return None
+    cause = before[-1]
+    return Verdict(
+        str(cause.verdict),
+        float(cause.confidence or 0.0) * 0.9,
+        {
+            "summary": f"{incident.exception} after incident {cause.id} ({cause.kind} at step {cause.step}): "
+            f"a consequence, not a cause of its own",
+            "follows": cause.id,
+            **{k: cause.evidence[k] for k in ("op", "property") if k in cause.evidence},
+        },
+        cause.cause,
+    )
+
+
+def triage_incident(incident: Incident, earlier: list[Incident] | None = None) -> Verdict:
+    """The verdict for one incident (see the module doc); `earlier`: the run's incidents triaged before it."""
+    event = incident.event
+    kind = incident.kind
+    follows = _consequence(incident, earlier or [])
+    if follows is not None:
+        return follows
+    if kind == "corrupt-shard":
+        shard = Path(str(event.get("shard", "?"))).name
+        return Verdict(
+            "data",
+            0.95,
+            {"summary": f"shard {shard} failed its checksum: {event.get('message', '')}"},
+            {"verdict": "data", "shard": shard},
+        )
+    if kind == "replica-mismatch":
+        ranks = event.get("ranks") or event.get("groups") or []
+        undecided = bool(event.get("undecided"))
+        rank = int(ranks[0]) if len(ranks) == 1 and not undecided else None
+        summary = str(event.get("message", "replicas disagree"))
+        return Verdict(
+            "hardware",
+            0.9 if rank is not None else 0.5,
+            {"summary": summary, "check": event.get("check")},
+            {"verdict": "hardware", "rank": rank},
+        )
+    if kind == "signal":
+        return Verdict(
+            "external", 1.0, {"summary": f"stopped by {event.get('signal')}"}, {"verdict": "external"}
+        )
+    if kind in _REPLAYED:
+        repro_dir = RunDir(incident.run_dir).incident_dir(incident.id)
+        return _replayed_verdict(incident, repro_dir)
+    return Verdict("unknown", 0.0, {"summary": f"no test decides a {kind} incident"}, None)
+
+
+def _links(incident: Incident) -> list[tuple[Any, ...]]:
+    """The evidence an incident may share with others (its keys for grouping)."""
+    cause = incident.cause or {}
+    verdict = incident.verdict or "unknown"
+    keys: list[tuple[Any, ...]] = []
+    if verdict == "library-op":
+        keys.append(("op", cause.get("op")))
+        if cause.get("property"):
+            keys.append(("property", cause.get("property"), cause.get("argument")))
+    if incident.kind == "crash" and incident.frames:
+        keys.append(("frames", tuple(incident.frames[:3])))
+    if verdict == "hardware":
+        keys.append(("rank", cause.get("rank"), incident.run_dir))
+    if verdict == "data":
+        keys.append(("shard", cause.get("shard")))
+    if verdict == "ml":
+        keys.append(("ml", cause.get("config"), incident.run_dir))
+    if verdict == "race":
+        keys.append(("race", tuple(cause.get("frames") or ())))
+    if verdict == "external":
+        keys.append(("external", incident.run_dir))
+    if verdict == "unknown":
+        keys.append(("unknown", incident.kind))
+    return keys
+
+
+def group_causes(incidents: list[Incident]) -> list[Cause]:
+    """Join incidents that share evidence (union-find over `_links`) into root causes."""
+    parent = list(range(len(incidents)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[tuple[Any, ...], int] = {}
+    for i, incident in enumerate(incidents):
+        for key in _links(incident):
+            if key in owner:
+                parent[find(i)] = find(owner[key])
+            else:
+                owner[key] = i
+    groups: dict[int, list[Incident]] = {}
+    for i, incident in enumerate(incidents):
+        groups.setdefault(find(i), []).append(incident)
+    causes = []
+    for members in groups.values():
+        votes = Counter(m.verdict or "unknown" for m in members if (m.verdict or "unknown") != "unknown")
+        verdict = votes.most_common(1)[0][0] if votes else "unknown"
+        decided = [m for m in members if m.verdict == verdict] or members
+        first = decided[0].cause or {}
+        evidence = [str(m.evidence.get("summary")) for m in decided if m.evidence.get("summary")]
+        ops = [m.evidence.get("op") for m in decided if m.evidence.get("op")]
+        props = [m.evidence.get("property") for m in decided if m.evidence.get("property")]
+        causes.append(
+            Cause(
+                verdict=verdict,
+                incidents=[m.id for m in members],
+                symptoms=sorted({m.kind for m in members}),
+                steps=sorted({m.step for m in members if m.step is not None}),
+                runs=sorted({Path(m.run_dir).name for m in members}),
+                op=Counter(ops).most_common(1)[0][0] if ops else None,
+                property=Counter(props).most_common(1)[0][0] if props else None,
+                rank=first.get("rank") if verdict == "hardware" else None,
+                shard=first.get("shard") if verdict == "data" else None,
+                evidence=list(dict.fromkeys(evidence))[:3],
+            )
+        )
+    return sorted(causes, key=lambda c: (-len(c.incidents), c.verdict))
+
+
+def triage(
+    run_dirs: list[str | Path], incident_id: int | None = None, *, again: bool = False
+) -> tuple[list[Incident], list[Cause], dict[int, float]]:
+    """Triage the incidents of `run_dirs` (one, or every one not yet triaged); group all into causes.
+
+    Returns every incident (with its verdict), the root causes, and the seconds spent per incident."""
+    seconds: dict[int, float] = {}
+    incidents: list[Incident] = []
+    for run_dir in run_dirs:
+        with IncidentStore(run_dir) as store:
+            store.ingest()
+            todo = [store.get(incident_id)] if incident_id is not None else store.incidents()
+            done = [i for i in store.incidents() if i.verdict is not None and not again]
+            for incident in todo:
+                if incident.verdict is not None and not again:
+                    continue
+                t0 = time.perf_counter()
+                v = triage_incident(incident, done)
+                store.record_triage(
+                    incident.id,
+                    verdict=v.verdict,
+                    confidence=v.confidence,
+                    evidence=v.evidence,
+                    cause=v.cause,
+                )
+                seconds[incident.id] = time.perf_counter() - t0
+                done.append(store.get(incident.id))
+            chosen = [store.get(incident_id)] if incident_id is not None else store.incidents()
+            incidents += chosen
+    return incidents, group_causes(incidents), seconds
+
+
+def format_causes(incidents: list[Incident], causes: list[Cause]) -> str:
+    """The incidents-to-causes table a team reads instead of voting."""
+    lines = [f"{len(incidents)} incidents, {len(causes)} root causes", ""]
+    header = f"{'cause':<4} {'verdict':<11} {'incidents':>9}  {'symptoms':<28} {'steps':<18} names"
+    lines += [header, "-" * len(header)]
+    for i, c in enumerate(causes, 1):
+        steps = ",".join(map(str, c.steps[:5])) + ("..." if len(c.steps) > 5 else "")
+        names = []
+        if c.op:
+            names.append(f"op {c.op}")
+        if c.property:
+            names.append(f"data: {c.property}")
+        if c.rank is not None:
+            names.append(f"rank {c.rank}")
+        if c.shard:
+            names.append(f"shard {c.shard}")
+        lines.append(
+            f"{i:<4} {c.verdict:<11} {len(c.incidents):>9}  {', '.join(c.symptoms):<28} {steps:<18} "
+            f"{'; '.join(names)}"
+        )
+    lines.append("")
+    for i, c in enumerate(causes, 1):
+        lines.append(f"cause {i} ({c.verdict}, incidents {', '.join(map(str, c.incidents))}):")
+        lines += [f"  - {e}" for e in c.evidence]
+    return "\n".join(lines)
+
+
+def format_incident(incident: Incident) -> str:
+    """One incident's verdict with its evidence (replay and bisection reports included)."""
+    lines = [
+        f"incident {incident.id} ({incident.kind}, step {incident.step}, rank {incident.rank}): "
+        f"{incident.verdict} (confidence {incident.confidence})",
+        f"  {incident.evidence.get('summary', '')}",
+    ]
+    for key in ("replay_text", "bisect_text"):
+        if incident.evidence.get(key):
+            lines += ["  " + line for line in str(incident.evidence[key]).splitlines()]
+    return "\n".join(lines)

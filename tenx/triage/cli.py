@@ -1,0 +1,129 @@
+"""The triage subcommands (`tenx incidents`, `tenx replay`, `tenx triage`): their flags and what they run (registered by tenx/cli.py).
+
+Each registers itself as tenx.cli_parsing.command does (flags added on first use when the parser can defer
+them), without importing it: the CLI sits above tenx.triage in the layers."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+
+def cmd_incidents(args: argparse.Namespace) -> None:
+    """Ingest the runs' events and print their incidents (a table, or JSON with --json)."""
+    from tenx.triage.store import format_incidents, list_incidents
+
+    found = list_incidents(args.run_dirs, kinds=args.kind or None)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(i) for i in found], indent=2))
+    else:
+        print(format_incidents(found, args.run_dirs))
+
+
+def _incidents_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.triage.store import KINDS
+
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        choices=KINDS,
+        help="only incidents of this kind (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print the incidents as a JSON list")
+
+
+def _command(
+    subparsers: Any,
+    name: str,
+    about: str,
+    func: Callable[[argparse.Namespace], None],
+    add: Callable[..., None],
+) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=about, description=about)
+    parser.set_defaults(func=func)
+    if hasattr(parser, "defer"):  # tenx.cli_parsing.Parser: flags are added when the subcommand is used
+        parser.defer(add)
+    else:
+        add(parser)
+    return parser
+
+
+def add_incidents_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx incidents` on the CLI's subparsers."""
+    about = "list the incidents of runs: every anomaly in events.jsonl, kept in RUN_DIR/incidents.db"
+    return _command(subparsers, "incidents", about, cmd_incidents, _incidents_arguments)
+
+
+def cmd_replay(args: argparse.Namespace) -> None:
+    """Rebuild the state before a step, run it again, compare with its record bit for bit."""
+    from tenx.triage.replay import replay
+
+    report = replay(args.run_dir, args.step, repeat=args.repeat)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+
+
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    p.add_argument("--step", type=int, required=True, help="the step to replay")
+    p.add_argument(
+        "--repeat", type=int, default=2, help="times to run the step from the same state (default 2)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx replay` on the CLI's subparsers."""
+    about = (
+        "replay one step of a run exactly: reproduces, does not reproduce (transient), or differs (a race)"
+    )
+    return _command(subparsers, "replay", about, cmd_replay, _replay_arguments)
+
+
+def cmd_triage(args: argparse.Namespace) -> None:
+    """Verdicts for incidents (replay, bisection, checksums) and the root causes behind them."""
+    from tenx.errors import TenxError
+    from tenx.triage.classify import format_causes, format_incident, triage
+
+    if args.incident is None and not args.all:
+        raise TenxError(
+            "tenx triage: name an incident (--incident ID; `tenx incidents RUN_DIR` lists them) or --all"
+        )
+    if args.incident is not None and len(args.run_dirs) != 1:
+        raise TenxError("tenx triage --incident ID takes one RUN_DIR (incident ids are per run)")
+    incidents, causes, seconds = triage(args.run_dirs, args.incident, again=args.again)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "incidents": [dataclasses.asdict(i) for i in incidents],
+                    "root_causes": [dataclasses.asdict(c) for c in causes],
+                    "seconds": seconds,
+                },
+                indent=2,
+            )
+        )
+    elif args.incident is not None:
+        print(format_incident(incidents[0]))
+    else:
+        print(format_causes(incidents, causes))
+
+
+def _triage_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (restarts included)")
+    p.add_argument("--incident", type=int, help="triage this incident (an id of `tenx incidents`)")
+    p.add_argument(
+        "--all", action="store_true", help="triage every incident, then group them into root causes"
+    )
+    p.add_argument("--again", action="store_true", help="triage incidents that already have a verdict again")
+    p.add_argument("--json", action="store_true", help="print incidents and causes as JSON")
+
+
+def add_triage_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx triage` on the CLI's subparsers."""
+    about = "find each incident's root cause (replay, numerics bisection, checksums) and group them"
+    return _command(subparsers, "triage", about, cmd_triage, _triage_arguments)
