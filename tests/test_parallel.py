@@ -109,6 +109,30 @@ def test_two_processes_match_one(runs, strategy):
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])
 
 
+def test_replay_and_bisection_from_a_two_process_checkpoint(runs, tmp_path):
+    """Steps of a 2-process run replayed in one process from its step-10 checkpoint: DDP bit for bit (each
+    rank's micro-batches in turn, gradients averaged as the all-reduce does), FSDP within tolerance."""
+    from tenx.triage.bisect import bisect_step
+    from tenx.triage.replay import replay
+
+    ddp = replay(runs["ddp"], 15)
+    assert ddp.checkpoint.endswith("step_00000010") and ddp.verdict == "reproduces" and ddp.bitwise
+    assert ddp.outcomes[0].digest == ddp.recorded.digest
+    fsdp = replay(runs["fsdp"], 15)
+    assert fsdp.verdict == "reproduces" and not fsdp.bitwise and "FSDP" in fsdp.notes[0]
+    report = bisect_step(runs["ddp"], 15)
+    assert report.first is None and report.trained.digest == report.recorded.digest
+    # the same state with an op-bug in the library (runs of 4 spaces are in every batch of code)
+    buggy = tmp_path / "ddp-opbug"
+    shutil.copytree(runs["ddp"], buggy)
+    config = (buggy / "config.toml").read_text()
+    assert "inject = []" in config
+    (buggy / "config.toml").write_text(config.replace("inject = []", "inject = ['op-bug@step=1,run=4']"))
+    found = bisect_step(buggy, 11).first  # the first step after the checkpoint: nothing re-executed
+    assert found is not None and found.op == "aten.nll_loss_forward" and found.module.endswith("in lm_loss")
+    assert found.property["kind"] == "identical-run" and found.property["length"] == 4
+
+
 def _from_step_10(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoints" / "step_00000020")

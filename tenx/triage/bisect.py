@@ -322,6 +322,12 @@ def _source_location() -> str:
     return frame_name(pick.filename, pick.lineno, pick.name)
 
 
+def _arg_name(func: Any, i: int) -> str:
+    """The schema name of argument `i` of an operator (e.g. `target`), else `input i`."""
+    arguments = getattr(getattr(func, "_schema", None), "arguments", [])
+    return str(arguments[i].name) if i < len(arguments) else f"input {i}"
+
+
 def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = None) -> dict[str, Any] | None:
     """The smallest slice of the inputs (along their shared leading dimension) on which `func` still
     misbehaves, and what distinguishes it; None when the whole input is needed."""
@@ -361,10 +367,10 @@ def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = No
             continue
         if not part.is_floating_point() and bool((part == part.reshape(-1)[0]).all()):
             value = int(part.reshape(-1)[0])
-            prop.update(kind="identical-run", argument=i, value=value)
+            prop.update(kind="identical-run", argument=i, name=_arg_name(func, i), value=value)
             prop["text"] = (
-                f"a run of {hi - lo} identical values ({value}) in input {i} of {_op_name(func)}; a shorter "
-                "run does not trigger it"
+                f"a run of {hi - lo} identical values ({value}) in `{prop['name']}` of {_op_name(func)}; a "
+                "shorter run does not trigger it"
             )
             break
         if part.is_floating_point() and not bool(torch.isfinite(part).all()):

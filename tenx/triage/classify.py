@@ -108,6 +108,13 @@ def _batch_zscore(run_dir: str, step: int, at_time: float, others: int = 16) -> 
     return (mine - mean) / std
 
 
+def _same_symptom(recorded: StepOutcome, replayed: StepOutcome) -> bool:
+    """Both crashed alike, or the guard judged both the same way (a spike, a non-finite loss)."""
+    if recorded.crashed or replayed.crashed:
+        return recorded.matches(replayed)
+    return recorded.skipped is not None and recorded.skipped == replayed.skipped
+
+
 def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
     """Replay the incident's step (twice), then bisect it if it reproduces."""
     event = incident.event
@@ -127,14 +134,24 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
     if rep.verdict == "differs-between-repeats":
         evidence["summary"] = f"replays of step {step} differ from each other: non-determinism"
         return Verdict("race", 0.8, evidence, {"verdict": "race", "frames": incident.frames[:3]})
-    if incident.kind in ("hang", "exit") or rep.verdict == "does-not-reproduce":
+    symptom_kept = (
+        rep.verdict == "does-not-reproduce"
+        and rep.recorded is not None
+        and _same_symptom(rep.recorded, rep.outcomes[0])
+    )
+    if symptom_kept:  # the anomaly is deterministic; the bits differ because the state did (first_divergent)
+        since = f" from step {rep.first_divergent} on" if rep.first_divergent else " before the step"
+        evidence["replay_note"] = (
+            f"the symptom reproduces but not bit for bit: the state differed{since} (see other incidents)"
+        )
+    elif incident.kind in ("hang", "exit") or rep.verdict == "does-not-reproduce":
         diverged = f"; step {rep.first_divergent} already differed" if rep.first_divergent else ""
         evidence["summary"] = (
             f"step {step} does not reproduce when replayed ({rep.outcomes[0].describe()}){diverged}: "
             f"transient, a machine or environment fault on rank {rank}"
         )
         return Verdict("hardware", 0.7, evidence, {"verdict": "hardware", "rank": rank})
-    if rep.verdict != "reproduces":
+    if rep.verdict != "reproduces" and not symptom_kept:
         evidence["summary"] = f"replay of step {step}: {rep.verdict}"
         return Verdict("unknown", 0.2, evidence, None)
     report = bisect_step(incident.run_dir, step, at_time=at_time, recorded=recorded, repro_dir=repro_dir)
@@ -144,8 +161,10 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
         prop = first.property or {}
         evidence["op"] = first.op
         evidence["property"] = prop.get("text")
+        evidence["trigger"] = {k: prop.get(k) for k in ("kind", "name", "length", "value")}
         evidence["summary"] = (
-            f"reproduces bit for bit; {first.op} ({first.module}) {first.problem} against float64"
+            ("reproduces bit for bit" if not symptom_kept else "the symptom reproduces")
+            + f"; {first.op} ({first.module}) {first.problem} against float64"
             + (f", triggered by {prop['text']}" if prop.get("text") else "")
         )
         evidence["repro"] = report.repro
@@ -303,6 +322,15 @@ def group_causes(incidents: list[Incident]) -> list[Cause]:
         evidence = [str(m.evidence.get("summary")) for m in decided if m.evidence.get("summary")]
         ops = [m.evidence.get("op") for m in decided if m.evidence.get("op")]
         props = [m.evidence.get("property") for m in decided if m.evidence.get("property")]
+        triggers = [m.evidence["trigger"] for m in decided if isinstance(m.evidence.get("trigger"), dict)]
+        runs = [t for t in triggers if t.get("kind") == "identical-run"]
+        if runs and ops:
+            values = sorted({str(t.get("value")) for t in runs})
+            shortest = min(int(t.get("length") or 0) for t in runs)
+            props = [
+                f"runs of >= {shortest} identical values in `{runs[0].get('name')}` "
+                f"({', '.join(values[:6])}{', ...' if len(values) > 6 else ''}); shorter runs do not trigger it"
+            ]
         causes.append(
             Cause(
                 verdict=verdict,

@@ -4,11 +4,12 @@ It imitates the bug from the accounts this project comes from: a reduction whose
 wrong memory offset for some inputs, so one bug showed up as several unrelated-looking failures. Here the
 op is the cross-entropy's reduction over positions, `aten.nll_loss_forward`. Its fast path (any floating
 dtype but float64) is wrong when the targets hold a run of at least `run` identical token ids; what goes
-wrong depends on the id `t` and the length `n` of the first such run:
+wrong depends on where the first such run starts in the batch (its flat offset `o`), like a wrong offset:
 
-- `(t + n) % 3 == 0`: the run is summed `n` times over: a wrong, large loss (a *spike*, skipped by the guard);
-- `(t + n) % 3 == 1`: the total weight is read from a wrong offset as 0: the loss is NaN (*non-finite*);
-- `(t + n) % 3 == 2`: the offset falls outside the tensor: the op raises (*a crash*, with its stack).
+- `o % 3 == 0`: the run is summed `n` more times (n its length): a wrong, large loss (a *spike*, skipped
+  by the guard);
+- `o % 3 == 1`: the total weight is read from a wrong offset as 0: the loss is NaN (*non-finite*);
+- `o % 3 == 2`: the offset falls outside the tensor: the op raises (*a crash*, with its stack).
 
 The float64 path is correct, which is what lets `tenx triage` find it by comparing each op against float64.
 The bug is part of the library the run used, so `tenx replay` and `tenx triage` install it again when the
@@ -60,9 +61,9 @@ class OpBug(TorchDispatchMode):
         self.triggered += 1
         start, length, value = runs[0]
         loss, total_weight = out
-        if (value + length) % 3 == 0:
+        if start % 3 == 0:
             return loss * (1 + length), total_weight
-        if (value + length) % 3 == 1:
+        if start % 3 == 1:
             return loss * torch.nan, total_weight * 0
         raise RuntimeError(
             f"nll_loss_forward: invalid memory access at element {start + length * args[0].shape[-1]} "

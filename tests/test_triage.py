@@ -1,0 +1,225 @@
+"""Triage: step records, exact replay, numerics bisection, verdicts and root causes (tenx/triage/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tenx.cli import main
+from tenx.errors import ConfigError, TenxError
+from tenx.monitor.events import EventLog, read_events
+from tenx.rundir import RunDir
+from tenx.train.callbacks.faults import parse_fault
+from tenx.train.callbacks.opbug import OpBug, longest_runs
+from tenx.train.callbacks.record import read_steps, step_digest
+from tenx.train.run import train
+from tenx.triage.bisect import bisect_step, run_repro
+from tenx.triage.classify import triage
+from tenx.triage.replay import replay
+from tenx.triage.store import list_incidents
+
+BASE = ("train.steps=12", "checkpoint.every=5", "train.eval_every=0", "train.threads=1")
+
+
+def run(tiny_data, tiny_config, run_dir: Path, *overrides: str, expect_error: bool = False) -> Path:
+    cfg = tiny_config(tiny_data, *BASE, *overrides)
+    if expect_error:
+        with pytest.raises(Exception):
+            train(cfg, run_dir)
+    else:
+        train(cfg, run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_data, tiny_config, tmp_path_factory) -> Path:
+    return run(tiny_data, tiny_config, tmp_path_factory.mktemp("triage") / "clean")
+
+
+def test_every_step_is_recorded_with_its_exact_loss_and_data(clean):
+    records = read_steps(RunDir(clean).steps)
+    metrics = [json.loads(line) for line in RunDir(clean).metrics.read_text().splitlines()]
+    losses = {m["step"]: m["loss"] for m in metrics if "loss" in m}
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert r["loss"] == losses[r["step"]]  # JSON keeps every bit of the float
+        assert r["digest"] == step_digest(r["loss"], r["grad_norm"])
+        assert len(r["windows"]) == 1 and len(r["windows"][0]) == 8  # one micro-batch of 8 windows
+        assert r["position"][1] - r["position"][0] == 8
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_replay_reproduces_a_clean_step_bit_for_bit(tiny_data, tiny_config, tmp_path, clean, precision):
+    run_dir = (
+        clean
+        if precision == "fp32"
+        else run(tiny_data, tiny_config, tmp_path / "bf16", "train.precision='bf16'")
+    )
+    from_checkpoint = replay(run_dir, 8, repeat=2)
+    assert from_checkpoint.checkpoint and from_checkpoint.checkpoint.endswith("step_00000005")
+    from_init = replay(run_dir, 3, repeat=1)
+    assert from_init.checkpoint is None  # before the first checkpoint: the seeded initialisation
+    for report in (from_checkpoint, from_init):
+        assert report.verdict == "reproduces" and report.bitwise
+        assert report.outcomes[0].digest == report.recorded.digest
+        assert report.first_divergent is None
+
+
+def test_a_one_shot_spike_does_not_reproduce_and_later_steps_still_do(tiny_data, tiny_config, tmp_path):
+    run_dir = run(
+        tiny_data,
+        tiny_config,
+        tmp_path / "spike",
+        "train.steps=28",
+        "checkpoint.every=10",
+        "faults.inject=['spike@step=25']",
+    )
+    spiked = replay(run_dir, 25)
+    assert spiked.verdict == "does-not-reproduce"
+    assert spiked.recorded.skipped == "loss-spike" and spiked.outcomes[0].skipped is None
+    later = replay(run_dir, 27)  # rebuilt from step 20: step 25 is re-executed, and skipped as the run did
+    assert later.verdict == "reproduces" and later.first_divergent == 25
+    (incident,) = list_incidents([run_dir])
+    incidents, causes, _ = triage([run_dir])
+    assert incidents[0].verdict == "hardware" and "does not reproduce" in incidents[0].evidence["summary"]
+    assert [c.verdict for c in causes] == ["hardware"]
+
+
+def test_op_bug_is_named_with_the_data_that_triggers_it(tiny_data, tiny_config, tmp_path):
+    # byte-level code: runs of 24 spaces (deep indentation) occur every few steps
+    run_dir = run(
+        tiny_data,
+        tiny_config,
+        tmp_path / "opbug",
+        "faults.inject=['op-bug@step=1,run=24']",
+        "guard.max_rollbacks=100",
+        expect_error=True,
+    )
+    incidents, causes, seconds = triage([run_dir])
+    assert incidents and {i.kind for i in incidents} <= {"crash", "non-finite", "spike"}
+    assert all(i.verdict == "library-op" for i in incidents), [i.evidence for i in incidents]
+    assert len(causes) == 1 and causes[0].op == "aten.nll_loss_forward"
+    assert "runs of >= 24 identical values in `target`" in causes[0].property
+    trigger = incidents[0].evidence["trigger"]
+    assert trigger == {"kind": "identical-run", "name": "target", "length": 24, "value": 32}  # spaces
+    repro = Path(incidents[0].evidence["repro"])
+    assert repro.name == "repro.py" and (repro.parent / "inputs.safetensors").is_file()
+    assert run_repro(repro.parent) == 1  # the op still misbehaves on the saved inputs
+    assert all(s < 60 for s in seconds.values())
+
+
+def test_op_bug_fast_path_only_and_its_three_symptoms():
+    targets = torch.tensor([1, 2, 3, 3, 3, 3, 4, 5, 6, 7, 8, 9])
+    assert longest_runs(targets, 4) == [(2, 4, 3)]
+    assert longest_runs(targets, 5) == []
+    logits = torch.randn(12, 10)
+
+    def loss(offset: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.roll(targets, offset - 2)  # the run starts at `offset`
+        with OpBug(run=4):
+            return torch.nn.functional.cross_entropy(logits.to(dtype), t)
+
+    clean = torch.nn.functional.cross_entropy(logits.double(), torch.roll(targets, 1))
+    assert torch.equal(loss(3, torch.float64), clean)  # float64 never takes the fast path
+    assert loss(3, torch.float32) > 4 * clean.float()  # offset % 3 == 0: a spike
+    assert torch.isnan(loss(4, torch.float32))  # 1: non-finite
+    with pytest.raises(RuntimeError, match="invalid memory access"):
+        loss(5, torch.float32)  # 2: a crash
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("op-bug@p=0.1", "op-bug takes step=N"),
+        ("op-bug@step=1,run=1", "run must be >= 2"),
+        ("spike@step=1,run=3", "run is only for op-bug"),
+    ],
+)
+def test_op_bug_specs_are_checked(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_fault(spec)
+
+
+def test_a_learning_rate_too_high_is_ml_not_a_library_op(tiny_data, tiny_config, tmp_path):
+    run_dir = run(
+        tiny_data,
+        tiny_config,
+        tmp_path / "lr",
+        "optim.lr=2.0",
+        "optim.warmup_steps=30",
+        "train.steps=60",
+        "checkpoint.every=20",
+        "guard.max_rollbacks=0",
+        "guard.min_history=5",
+        "guard.window=10",
+        expect_error=True,
+    )
+    incidents, causes, _ = triage([run_dir])
+    assert {i.kind for i in incidents} >= {"spike"}
+    assert {i.verdict for i in incidents} == {"ml"}, [i.evidence.get("summary") for i in incidents]
+    assert [c.verdict for c in causes] == ["ml"]
+    crash = [i for i in incidents if i.kind == "crash"]  # the guard giving up: a consequence
+    assert crash and "consequence" in crash[0].evidence["summary"]
+
+
+def test_a_clean_run_has_no_incidents(clean, capsys):
+    assert list_incidents([clean]) == []
+    incidents, causes, _ = triage([clean])
+    assert incidents == [] and causes == []
+    assert main(["triage", str(clean), "--all"]) == 0
+    assert "0 incidents, 0 root causes" in capsys.readouterr().out
+
+
+def test_differing_repeats_are_a_race(clean, monkeypatch):
+    import tenx.triage.replay as replay_module
+
+    real = replay_module.lm_loss
+
+    def noisy(logits, targets, z_loss=0.0, dtype=torch.float32):  # a nondeterministic kernel
+        loss, ce = real(logits, targets, z_loss, dtype)
+        return loss + 1e-3 * torch.rand(()), ce + 1e-3 * torch.rand(())
+
+    monkeypatch.setattr(replay_module, "lm_loss", noisy)
+    assert replay(clean, 8, repeat=3).verdict == "differs-between-repeats"
+
+
+def test_replay_and_triage_commands(clean, capsys):
+    assert main(["replay", str(clean), "--step", "7", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "reproduces" and report["step"] == 7
+    assert main(["replay", str(clean / "missing"), "--step", "7"]) == 2
+    assert "not a tenx run directory" in capsys.readouterr().err
+    assert main(["replay", str(clean), "--step", "99"]) == 2
+    assert "step 99" in capsys.readouterr().err
+    assert main(["triage", str(clean)]) == 2
+    assert "--incident ID" in capsys.readouterr().err
+
+
+def test_bisection_of_a_clean_step_finds_no_faulty_operator(clean):
+    report = bisect_step(clean, 8)
+    assert report.first is None and report.ops_checked > 50
+    assert report.trained.digest == report.recorded.digest
+    assert abs(report.reference.loss - report.trained.loss) < 1e-4 * report.trained.loss
+
+
+def test_supervisor_skips_the_data_of_a_step_that_crashes_twice(tmp_path):
+    from tenx.launch.supervise import _skip_crashing_data
+
+    events = EventLog(tmp_path)
+    events.emit("crash", 7, phase="step", exception="RuntimeError", position=[48, 56])
+    _skip_crashing_data(tmp_path, events, since=0.0)
+    assert json.loads(RunDir(tmp_path).data_skips.read_text()) == {"skips": [[48, 56]]}
+    _skip_crashing_data(tmp_path, events, since=0.0)  # the same crash again: recorded once
+    assert json.loads(RunDir(tmp_path).data_skips.read_text()) == {"skips": [[48, 56]]}
+    (skipped,) = [e for e in read_events(tmp_path) if e["kind"] == "data-skipped"]
+    assert skipped["positions"] == [48, 56] and skipped["step"] == 7
+
+
+def test_replay_refuses_what_it_cannot_do(clean, tmp_path):
+    with pytest.raises(TenxError, match="not a tenx run directory"):
+        replay(tmp_path, 3)
+    with pytest.raises(TenxError, match="--repeat"):
+        replay(clean, 3, repeat=0)
