@@ -120,7 +120,13 @@ def main() -> None:
 
     truth = {e["fault_kind"]: e for e in read_events(run_dir) if e.get("kind") == "fault"}
     false_verdicts = [
-        {"id": i.id, "kind": i.kind, "step": i.step, "verdict": i.verdict, "expected": expected(i.event, truth)}
+        {
+            "id": i.id,
+            "kind": i.kind,
+            "step": i.step,
+            "verdict": i.verdict,
+            "expected": expected(i.event, truth),
+        }
         for i in incidents
         if i.verdict != expected(i.event, truth)
     ]
@@ -132,7 +138,9 @@ def main() -> None:
         f"training {train_s:.1f} s; drill {wall_s:.1f} s; false verdicts: {len(false_verdicts)}"
     )
     for f in false_verdicts:
-        print(f"  false verdict: incident {f['id']} ({f['kind']}, step {f['step']}): {f['verdict']}, expected {f['expected']}")
+        print(
+            f"  false verdict: incident {f['id']} ({f['kind']}, step {f['step']}): {f['verdict']}, expected {f['expected']}"
+        )
     symptoms = sorted({i.kind for i in incidents if expected(i.event, truth) == "library-op"})
     print(
         json.dumps(
