@@ -87,6 +87,7 @@ SLOW = {
     "docs/fault-tolerance.md": "95 s: two chaos drills",
     "docs/prediction.md": "110 s: a tiny ladder and bench/predict_accuracy.py on the stored ladder curves",
     "docs/monitoring.md": "130 s: a quickstart-sized ladder, a watched run, statistics, two dashboards",
+    "docs/triage.md": "150 s: the triage drill (a supervised run with 10 crashes, then 26 incidents triaged)",
 }
 
 # Appended to every matching command on every page: (program prefix, required word, args, why).
