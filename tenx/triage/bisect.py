@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 
 from tenx.errors import TenxError
 from tenx.train.callbacks.record import frame_name
-from tenx.triage.replay import Replayer, StepOutcome, outcome_of_record, step_windows
+from tenx.triage.replay import Replayer, StepOutcome
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 """Norm-wise relative error of one operator's output against float64 beyond which it is faulty."""
@@ -465,13 +465,7 @@ def bisect_step(
     """Replay `step` on the trained path with every operator checked, then on the reference path."""
     t0 = time.perf_counter()
     replayer = Replayer(run_dir)
-    record = replayer.record_of(step, after=at_time) if recorded is None else None
-    if recorded is None and record is not None:
-        recorded = outcome_of_record(record)
-    before = at_time if at_time is not None else (float(record["time"]) if record else None)
-    chain = replayer.timeline(step, before)
-    windows = step_windows(replayer, step, record, chain)
-    replayer.rebuild(step, chain)
+    recorded, windows, _, _ = replayer.prepare(step, at_time, recorded)
     snap = replayer.snapshot()
     assert replayer.model is not None
     checker = OpChecker(replayer.model)

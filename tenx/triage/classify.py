@@ -78,12 +78,7 @@ class Cause:
 def _batch_zscore(run_dir: str, step: int, at_time: float, others: int = 16) -> float | None:
     """How far the step's batch's loss lies above `others` random batches', on the state before the step."""
     replayer = Replayer(run_dir)
-    record = replayer.record_of(step, after=at_time)
-    chain = replayer.timeline(step, at_time)
-    from tenx.triage.replay import step_windows
-
-    windows = step_windows(replayer, step, record, chain)
-    replayer.rebuild(step, chain)
+    _, windows, _, _ = replayer.prepare(step, at_time, None)
     assert replayer.model is not None
     model = replayer.model.eval()
     rng = random.Random(f"tenx-triage:{step}")

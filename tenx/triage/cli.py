@@ -1,4 +1,5 @@
-"""The triage subcommands (`tenx incidents`, `tenx replay`, `tenx triage`): their flags and what they run (registered by tenx/cli.py).
+"""The triage subcommands (`tenx incidents`, `tenx replay`, `tenx triage`): their flags and what they run
+(registered by tenx/cli.py).
 
 Each registers itself as tenx.cli_parsing.command does (flags added on first use when the parser can defer
 them), without importing it: the CLI sits above tenx.triage in the layers."""
@@ -8,8 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import Any
+
+from tenx.utils.cli import subcommand
 
 
 def cmd_incidents(args: argparse.Namespace) -> None:
@@ -37,26 +39,10 @@ def _incidents_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the incidents as a JSON list")
 
 
-def _command(
-    subparsers: Any,
-    name: str,
-    about: str,
-    func: Callable[[argparse.Namespace], None],
-    add: Callable[..., None],
-) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=about, description=about)
-    parser.set_defaults(func=func)
-    if hasattr(parser, "defer"):  # tenx.cli_parsing.Parser: flags are added when the subcommand is used
-        parser.defer(add)
-    else:
-        add(parser)
-    return parser
-
-
 def add_incidents_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx incidents` on the CLI's subparsers."""
     about = "list the incidents of runs: every anomaly in events.jsonl, kept in RUN_DIR/incidents.db"
-    return _command(subparsers, "incidents", about, cmd_incidents, _incidents_arguments)
+    return subcommand(subparsers, "incidents", about, cmd_incidents, _incidents_arguments)
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
@@ -81,7 +67,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     about = (
         "replay one step of a run exactly: reproduces, does not reproduce (transient), or differs (a race)"
     )
-    return _command(subparsers, "replay", about, cmd_replay, _replay_arguments)
+    return subcommand(subparsers, "replay", about, cmd_replay, _replay_arguments)
 
 
 def cmd_triage(args: argparse.Namespace) -> None:
@@ -126,4 +112,4 @@ def _triage_arguments(p: argparse.ArgumentParser) -> None:
 def add_triage_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx triage` on the CLI's subparsers."""
     about = "find each incident's root cause (replay, numerics bisection, checksums) and group them"
-    return _command(subparsers, "triage", about, cmd_triage, _triage_arguments)
+    return subcommand(subparsers, "triage", about, cmd_triage, _triage_arguments)

@@ -303,6 +303,22 @@ class Replayer:
                 first_divergent = s
         return source, first_divergent
 
+    def prepare(
+        self, step: int, at_time: float | None, recorded: StepOutcome | None
+    ) -> tuple[StepOutcome | None, list[list[int]], Path | None, int | None]:
+        """Rebuild the state before the execution of `step` an incident at `at_time` saw (None: its last).
+
+        Returns the outcome to compare with (`recorded`, else the step's record), the step's windows, the
+        checkpoint rebuilt from and the first re-executed step that differed from its record."""
+        record = self.record_of(step, after=at_time) if recorded is None else None
+        if recorded is None and record is not None:
+            recorded = outcome_of_record(record)
+        before = at_time if at_time is not None else (float(record["time"]) if record else None)
+        chain = self.timeline(step, before)
+        windows = step_windows(self, step, record, chain)
+        source, first_divergent = self.rebuild(step, chain)
+        return recorded, windows, source, first_divergent
+
     @property
     def rtol(self) -> float:
         return 0.0 if self.bitwise else TOLERANCE.get(self.amp_dtype, 1e-5)
@@ -508,14 +524,8 @@ def replay(
     if repeat < 1:
         raise TenxError(f"--repeat must be >= 1, got {repeat}")
     replayer = Replayer(run_dir)
-    record = replayer.record_of(step, after=at_time) if recorded is None else None
-    if recorded is None and record is not None:
-        recorded = outcome_of_record(record)
-    before = at_time if at_time is not None else (float(record["time"]) if record else None)
-    chain = replayer.timeline(step, before)
     try:
-        windows = step_windows(replayer, step, record, chain)
-        source, first_divergent = replayer.rebuild(step, chain)
+        recorded, windows, source, first_divergent = replayer.prepare(step, at_time, recorded)
         snap = replayer.snapshot()
         outcomes = []
         for i in range(repeat):

@@ -6,8 +6,9 @@ parser can defer them), without importing it: the CLI sits above tenx.monitor in
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
+
+from tenx.utils.cli import subcommand
 
 
 def cmd_dashboard(args: argparse.Namespace) -> None:
@@ -56,29 +57,13 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _command(
-    subparsers: Any,
-    name: str,
-    about: str,
-    func: Callable[[argparse.Namespace], None],
-    add: Callable[..., None],
-) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=about, description=about)
-    parser.set_defaults(func=func)
-    if hasattr(parser, "defer"):  # tenx.cli_parsing.Parser: flags are added when the subcommand is used
-        parser.defer(add)
-    else:
-        add(parser)
-    return parser
-
-
 def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx dashboard` on the CLI's subparsers."""
     about = "a live web page of runs: loss and prediction band, statistics, throughput, goodput, events"
-    return _command(subparsers, "dashboard", about, cmd_dashboard, _dashboard_arguments)
+    return subcommand(subparsers, "dashboard", about, cmd_dashboard, _dashboard_arguments)
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx report` on the CLI's subparsers."""
     about = "write the dashboard of runs as one self-contained HTML file that opens offline"
-    return _command(subparsers, "report", about, cmd_report, _report_arguments)
+    return subcommand(subparsers, "report", about, cmd_report, _report_arguments)
