@@ -223,3 +223,28 @@ def test_replay_refuses_what_it_cannot_do(clean, tmp_path):
         replay(tmp_path, 3)
     with pytest.raises(TenxError, match="--repeat"):
         replay(clean, 3, repeat=0)
+
+
+def test_checksum_evidence_names_the_rank_and_the_shard(tmp_path):
+    """A replica mismatch is hardware on the rank the consistency check named; a shard that fails its
+    checksum is data naming the shard; each is one cause, however many times it was seen."""
+    events = EventLog(tmp_path)
+    for step in (40, 50):
+        events.emit(
+            "replica-mismatch",
+            step,
+            check="parameters",
+            scope="rank",
+            ranks=[1],
+            witness="self-check",
+            message="parameters of rank 1 disagree with no majority; rank 1 found its own parameters changed",
+        )
+    for _ in range(2):  # every restarted process finds the shard corrupt again
+        events.emit("corrupt-shard", 3, shard="/data/train_00003.bin", message="expected xxhash 1, got 2")
+    events.emit("fault", 40, fault="bitflip@step=40,rank=1", fault_kind="bitflip")  # ground truth only
+    incidents, causes, _ = triage([tmp_path])
+    assert len(incidents) == 4
+    by_kind = {c.verdict: c for c in causes}
+    assert set(by_kind) == {"hardware", "data"}
+    assert by_kind["hardware"].rank == 1 and len(by_kind["hardware"].incidents) == 2
+    assert by_kind["data"].shard == "train_00003.bin" and len(by_kind["data"].incidents) == 2
