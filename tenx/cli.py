@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KIND@step=N|KIND@p=P",
         help="inject a fault (repeatable): crash, sigkill, hang, nan, spike, corrupt-checkpoint, "
-        "corrupt-shard, slow, bitflip; see docs/fault-tolerance.md",
+        "corrupt-shard, slow, bitflip, op-bug; see docs/fault-tolerance.md",
     )
     tp.add_argument("--fault-seed", type=int, default=None, help="seed of random (p=P) faults")
     tp.add_argument(

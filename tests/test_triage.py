@@ -248,3 +248,17 @@ def test_checksum_evidence_names_the_rank_and_the_shard(tmp_path):
     assert set(by_kind) == {"hardware", "data"}
     assert by_kind["hardware"].rank == 1 and len(by_kind["hardware"].incidents) == 2
     assert by_kind["data"].shard == "train_00003.bin" and len(by_kind["data"].incidents) == 2
+
+
+def test_a_damaged_step_record_is_named_not_a_traceback(clean, tmp_path):
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(clean, copy)
+    lines = RunDir(copy).steps.read_text().splitlines()
+    record = json.loads(lines[2])
+    record["windows"] = [[10**9] * 8]  # a window past the end of the data
+    lines[2] = json.dumps(record)
+    RunDir(copy).steps.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TenxError, match=r"steps.jsonl: record 3 \(step 3\) has a malformed 'windows'"):
+        replay(copy, 4)

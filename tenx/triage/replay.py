@@ -214,9 +214,49 @@ class Replayer:
             self.notes.append("replayed on a different device type than the run: not bitwise")
             self.bitwise = False
         self.op_bugs = [parse_fault(t) for t in self.cfg.faults.inject if t.strip().startswith("op-bug@")]
-        self.records = read_steps(self.rundir.steps)
+        self.records = [self._checked(i, r) for i, r in enumerate(read_steps(self.rundir.steps))]
         self.model: Transformer | None = None
         self.guard = StepGuard(self.cfg.guard)
+
+    def _checked(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        """A step record whose fields have the types and ranges replay relies on; else TenxError naming it."""
+        num_windows = (len(self.stream) - 1) // self.seq_len
+
+        def bad(field: str) -> TenxError:
+            return TenxError(
+                f"{self.rundir.steps}: record {index + 1} (step {record.get('step')!r}) has a malformed "
+                f"{field!r}; the file is damaged or was not written by tenx: replay needs its records"
+            )
+
+        for name in ("loss", "grad_norm"):
+            value = record.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise bad(name)
+            try:
+                float(value)
+            except ValueError:
+                raise bad(name) from None
+        windows = record.get("windows")
+        if windows is not None and not (
+            isinstance(windows, list)
+            and all(
+                isinstance(ids, list)
+                and all(type(w) is int and 0 <= w < num_windows for w in ids)
+                and len(ids) == self.micro_batch * self.data_parallel
+                for ids in windows
+            )
+        ):
+            raise bad("windows")
+        position = record.get("position")
+        if position is not None and not (
+            isinstance(position, list)
+            and len(position) == 2
+            and all(type(x) is int and x >= 0 for x in position)
+        ):
+            raise bad("position")
+        if type(record.get("skips", 0)) is not int or not isinstance(record.get("time", 0.0), (int, float)):
+            raise bad("skips/time")
+        return record
 
     # ----- state ------------------------------------------------------------------------------------
     def _fresh(self) -> None:
