@@ -212,6 +212,15 @@ def test_locate_and_describe_windows_point_at_the_tokens_read(tiny_corpus_multis
         shard = np.fromfile(data / d["shard"], dtype=dtype)
         n = min(SEQ, len(shard) - d["offset"])
         assert n > 0 and np.array_equal(row[:n], shard[d["offset"] : d["offset"] + n])
+    # the document index: documents of earlier shards, then the last start at or before the offset
+    shards = read_manifest(data)["splits"]["train"]["shards"]
+    assert stream.document_of(0) == 0
+    assert stream.document_of(first) == int(shards[0]["documents"])  # shard 1 starts with a document
+    for d in described:
+        k = next(i for i, s in enumerate(shards) if s["file"] == d["shard"])
+        starts = np.fromfile(data / shards[k]["index_file"], dtype="<i8")
+        local = int(np.searchsorted(starts, d["offset"], side="right")) - 1
+        assert d["document"] == sum(int(s["documents"]) for s in shards[:k]) + local
 
 
 def test_on_corrupt_shard_config_field():

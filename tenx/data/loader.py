@@ -96,6 +96,7 @@ class TokenStream:
             total += int(shard["tokens"])
         self.total_tokens = total
         self.num_tokens = min(total, max_tokens) if max_tokens is not None else total
+        self._doc_starts: dict[int, np.ndarray] | None = None
         self._open()
 
     def _open(self) -> None:
@@ -177,6 +178,24 @@ class TokenStream:
             i += 1
             if i == len(self.starts) or self.starts[i] >= end:
                 return True
+
+    def document_of(self, token_offset: int) -> int | None:
+        """The split-wide index of the document holding a stream offset (None: its shard's index is unreadable).
+
+        Shards hold whole documents in order; `{split}_NNNNN.idx` lists each one's start within its shard."""
+        if not 0 <= token_offset < self.num_tokens:
+            raise IndexError(f"offset {token_offset} outside stream of {self.num_tokens} tokens")
+        i = bisect.bisect_right(self.starts, token_offset) - 1
+        if self._doc_starts is None:
+            self._doc_starts = {}
+        if i not in self._doc_starts:
+            try:
+                self._doc_starts[i] = np.fromfile(self.data_dir / self.entries[i]["index_file"], dtype="<i8")
+            except (OSError, KeyError, ValueError):
+                return None
+        before = sum(int(self.entries[k].get("documents", 0)) for k in range(i))
+        local = int(np.searchsorted(self._doc_starts[i], token_offset - self.starts[i], side="right")) - 1
+        return before + max(local, 0)
 
     def locate(self, token_offset: int) -> tuple[str, int]:
         """The shard file (relative to the data directory) holding a stream offset, and the offset in it."""
@@ -314,11 +333,12 @@ class TokenLoader:
         return tokens[:, :-1], tokens[:, 1:]
 
     def describe_windows(self, ids: list[int]) -> list[dict[str, Any]]:
-        """Where each window starts: its id, shard file and token offset within that shard."""
+        """Where each window starts: its id, shard file, token offset within that shard and document index."""
         described = []
         for w in ids:
             shard, offset = self.stream.locate(int(w) * self.seq_len)
-            described.append({"window": int(w), "shard": shard, "offset": offset})
+            document = self.stream.document_of(int(w) * self.seq_len)
+            described.append({"window": int(w), "shard": shard, "offset": offset, "document": document})
         return described
 
     @property
