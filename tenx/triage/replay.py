@@ -207,6 +207,9 @@ class Replayer:
                 f"{self.data_parallel} data-parallel ranks replayed in one process: the all-reduce's "
                 "summation order is not reproduced, so outcomes are compared within tolerance"
             )
+        if tc.compile:
+            self.notes.append("the run used torch.compile; replayed eagerly, so compared within tolerance")
+            self.bitwise = False
         if self.strategy == "fsdp":
             self.notes.append("FSDP's reduce-scatter is not reproduced bit for bit in one process")
             self.bitwise = False
