@@ -101,6 +101,8 @@ def quickstart(
     xz_bpb = xz_bits_per_byte(b"".join(documents))
     xz_doc_bpb = xz_bits_per_byte_per_document(documents)
     curve = plot_loss_curve(run_dir / rundir.METRICS, out / rundir.LOSS_CURVE, f"tenx quickstart ({source})")
+    prequential = _read_json(run_dir / rundir.PREQUENTIAL)
+    same = prequential.get("same_bytes") or {}
 
     summary = {
         "heldout_bits_per_byte": heldout["bits_per_byte"],
@@ -110,6 +112,8 @@ def quickstart(
         "heldout_bytes": heldout["bytes"],
         "heldout_documents": manifest["splits"]["heldout"]["num_documents"],
         "beats_xz": heldout["bits_per_byte"] < xz_bpb,
+        "prequential_bits_per_byte": prequential.get("bits_per_byte"),
+        "prequential_same_bytes": same or None,
         "wall_seconds": time.perf_counter() - t0,
         "budget_minutes": plan.get("minutes"),
         "steps": cfg.train.steps,
@@ -128,11 +132,31 @@ def quickstart(
         f"\nheld-out bits per byte: tenx {summary['heldout_bits_per_byte']:.4f} | xz -9e {xz_bpb:.4f} over the "
         f"concatenated files, {xz_doc_bpb:.4f} file by file\n"
         f"({heldout['bytes']:,} bytes in {summary['heldout_documents']} documents never trained on)\n"
-        f"run directory: {run_dir}\nmetrics: {summary['metrics']}\nloss curve: {curve}\n"
+        + _prequential_line(prequential, same)
+        + f"run directory: {run_dir}\nmetrics: {summary['metrics']}\nloss curve: {curve}\n"
         f"summary: {out / 'summary.json'}\n"
         f"wall time: {summary['wall_seconds']:.0f} s ({summary['wall_seconds'] / 60:.1f} min) on {cpu_name()}"
     )
     return summary
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _prequential_line(prequential: dict[str, Any], same: dict[str, Any]) -> str:
+    """The training stream as compression: the model's prequential code length beside xz on the same bytes."""
+    if not same.get("bytes"):
+        return ""
+    return (
+        f"training stream, prequential: tenx {same['model_bits_per_byte']:.4f} | xz -9e "
+        f"{same['xz_bits_per_byte']:.4f} bits per byte on the same {same['bytes']:,} bytes, in the order "
+        "trained (each batch coded before the update that learns from it)\n"
+    )
 
 
 def _plan(

@@ -7,6 +7,7 @@ RUN_DIR/
   run_id               this directory's identity (the in-memory tier loads only its own snapshots)
   metrics.jsonl        one JSON line per step
   events.jsonl         what happened besides steps (resume, rollback, faults, heals, crashes, ...)
+  prequential.json     the training stream's prequential code length (bits per byte), beside xz
   steps.jsonl          each step's exact loss and gradient norm, digest and data positions (tenx replay)
   incidents.db         the incident store (SQLite): every anomaly, and what triage found (tenx triage)
   incidents/N/         incident N's evidence: the minimal reproduction of a faulty op (repro.py + inputs)
@@ -37,6 +38,7 @@ RUN_ID = "run_id"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 STEPS = "steps.jsonl"
+PREQUENTIAL = "prequential.json"
 INCIDENTS_DB = "incidents.db"
 INCIDENTS = "incidents"
 LEDGER = "ledger.jsonl"
@@ -85,6 +87,10 @@ class RunDir:
     @property
     def events(self) -> Path:
         return self.root / EVENTS
+
+    @property
+    def prequential(self) -> Path:
+        return self.root / PREQUENTIAL
 
     @property
     def steps(self) -> Path:

@@ -57,6 +57,10 @@ class Tokenizer(ABC):
     def save(self, directory: Path) -> dict[str, Any]:
         """Write the tokenizer's files (if any) into `directory` and return its manifest entry."""
 
+    @abstractmethod
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for (b"" for the end-of-document id): a stream's bytes are theirs joined."""
+
 
 class ByteTokenizer(Tokenizer):
     """Ids 0..255 are the UTF-8 bytes of the text; 256 ends a document."""
@@ -81,6 +85,10 @@ class ByteTokenizer(Tokenizer):
             EOT_TEXT + p[1:].astype(np.uint8).tobytes().decode("utf-8", errors="replace") for p in pieces[1:]
         ]
         return "".join(texts)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each byte id is its byte; the end-of-document id is no byte."""
+        return [bytes([i]) for i in range(256)] + [b""] * (self.vocab_size - 256)
 
     def save(self, directory: Path) -> dict[str, Any]:
         """Byte tokenizers need no file; the entry's hash is that of the string "bytes"."""
@@ -114,6 +122,20 @@ class BPETokenizer(Tokenizer):
         """Text of BPE ids."""
         return self._hf.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes, read back from its byte-level form (GPT-2's bytes-to-unicode alphabet);
+        special tokens (the end-of-document token) are no bytes."""
+        decoder = _byte_level_decoder()
+        special = {t.content for t in self._hf.get_added_tokens_decoder().values()}
+        out = []
+        for i in range(self.vocab_size):
+            token = self._hf.id_to_token(i)
+            if token is None or token in special or any(ch not in decoder for ch in token):
+                out.append(b"" if token is None or token in special else token.encode("utf-8"))
+            else:
+                out.append(bytes(decoder[ch] for ch in token))
+        return out
+
     def to_json(self) -> str:
         """The tokenizer serialised as `tokenizer.json` text (deterministic for a given vocabulary)."""
         return self._hf.to_str()
@@ -123,6 +145,23 @@ class BPETokenizer(Tokenizer):
         text = self.to_json()
         atomic_write_text(Path(directory) / BPE_FILE, text)
         return _entry(self, file=BPE_FILE, digest=bytes_xxhash(text.encode("utf-8")))
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes-to-unicode map, which byte-level BPE uses to spell every byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _entry(tokenizer: Tokenizer, file: str | None, digest: str) -> dict[str, Any]:

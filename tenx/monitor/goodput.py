@@ -440,6 +440,29 @@ def _event_line(event: dict[str, Any]) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _prequential_lines(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
+    """The training stream's prequential bits per byte: prequential.json at the end, else the running figure."""
+    try:
+        done = json.loads((run_dir / rundir.PREQUENTIAL).read_text())
+    except (OSError, ValueError):
+        done = None
+    if isinstance(done, dict) and isinstance(done.get("bits_per_byte"), (int, float)):
+        text = f"prequential {_number(done['bits_per_byte'])} bits per byte of the training stream"
+        same = done.get("same_bytes")
+        if isinstance(same, dict) and isinstance(same.get("xz_bits_per_byte"), (int, float)):
+            text += (
+                f"; on its first {same.get('bytes', 0):,} bytes {_number(same.get('model_bits_per_byte'))}"
+                f" vs xz -9e {_number(same['xz_bits_per_byte'])}"
+            )
+        return [text]
+    running = next((r for r in reversed(metrics) if "prequential_bpb" in r), None)
+    if running is None:
+        return []
+    return [
+        f"prequential {_number(running['prequential_bpb'])} bits per byte so far (step {running.get('step')})"
+    ]
+
+
 def format_status(run_dir: str | Path) -> str:
     """`tenx status RUN_DIR`: progress, newest verified checkpoint, last metrics, goodput and events."""
     run_dir = Path(run_dir)
@@ -498,6 +521,7 @@ def format_status(run_dir: str | Path) -> str:
                 f"{_number(watched.get('pred_loss'))} ({_number(watched.get('pred_lower'))} .. "
                 f"{_number(watched.get('pred_upper'))}), {watched['pred_dev']:+.1f} band half-widths"
             )
+        lines += _prequential_lines(run_dir, metrics)
         final = next((r for r in reversed(metrics) if "pred_final_self" in r), None)
         if final is not None:
             text = f"final loss {_number(final['pred_final_self'])} from its own curve (step {final.get('step')})"

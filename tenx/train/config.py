@@ -141,6 +141,12 @@ class LogConfig:
     tensorboard: bool = field(True, help="also write scalars to RUN_DIR/tensorboard")
     progress: bool = field(True, help="show a progress bar (a line every `print_every` steps off a terminal)")
     print_every: int = field(50, ge=1, help="steps between progress lines when not on a terminal")
+    prequential_xz_mb: float = field(
+        8.0,
+        ge=0,
+        help="xz -9e on the first this many MB of the training stream, beside the model's prequential code "
+        "length for the same bytes, at the end of a run (RUN_DIR/prequential.json; 0: no xz)",
+    )
 
     def validate(self) -> None:
         """Check bounds; names the offending field."""

@@ -17,6 +17,7 @@ from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector
 from tenx.train.callbacks.metrics import MetricsLogger, Progress
+from tenx.train.callbacks.prequential import Prequential
 from tenx.train.callbacks.record import StepRecord
 from tenx.train.callbacks.stats import ModelStats
 from tenx.train.callbacks.watch import Watch
@@ -29,7 +30,8 @@ def default_callbacks(
     cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
 ) -> list[Callback]:
     """The fault injector (when faults are configured), the replica consistency check (when
-    parallel.consistency.every > 0), validation, `extra` callbacks, the step record, the statistics inside the model (when
+    parallel.consistency.every > 0), validation, `extra` callbacks, the step record, the prequential code
+    length (rank 0), the statistics inside the model (when
     monitor.stats_every > 0), the watch (prediction and trends, on rank 0), metrics, checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
@@ -45,6 +47,8 @@ def default_callbacks(
         *(extra or []),
         StepRecord(),  # steps.jsonl (rank 0) and crash records (every rank): what tenx replay starts from
     ]
+    if rank == 0:  # the training stream's prequential code length (its figures join the step's metrics)
+        callbacks.append(Prequential(cfg.log.prequential_xz_mb))
     if cfg.monitor.stats_every:  # on every rank: its statistics gather figures from all of them
         callbacks.append(ModelStats(cfg.monitor.stats_every))
     if rank == 0 and (cfg.monitor.prediction or cfg.monitor.trends):
