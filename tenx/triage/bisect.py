@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_map
 
 from tenx.errors import TenxError
 from tenx.train.callbacks.record import frame_name
-from tenx.triage.replay import Replayer, StepOutcome
+from tenx.triage.outcome import StepOutcome
+from tenx.triage.replay import Replayer
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 """Norm-wise relative error of one operator's output against float64 beyond which it is faulty."""

@@ -32,7 +32,8 @@ from tenx.errors import TenxError
 from tenx.model.transformer import lm_loss
 from tenx.rundir import RunDir
 from tenx.triage.bisect import bisect_step
-from tenx.triage.replay import Replayer, StepOutcome, outcome_of_crash, replay
+from tenx.triage.outcome import StepOutcome, outcome_of_crash
+from tenx.triage.replay import Replayer, replay
 from tenx.triage.store import Incident, IncidentStore
 
 OUTLIER_Z = 6.0

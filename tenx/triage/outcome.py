@@ -1,0 +1,64 @@
+"""What one execution of a training step produced, and how two executions compare (tenx replay)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenx.train.callbacks.record import step_digest
+
+
+@dataclass
+class StepOutcome:
+    """What one execution of a step produced: its loss and gradient norm, or the exception it raised."""
+
+    loss: float | None = None
+    grad_norm: float | None = None
+    digest: str | None = None
+    skipped: str | None = None
+    exception: str | None = None
+    message: str | None = None
+    frames: list[str] = field(default_factory=list)
+
+    @property
+    def crashed(self) -> bool:
+        return self.exception is not None
+
+    def matches(self, other: StepOutcome, rtol: float = 0.0) -> bool:
+        """Bit for bit (rtol 0) or within `rtol`; a crash matches a crash of the same type at the same frame."""
+        if self.crashed or other.crashed:
+            return (self.exception, self.frames[:1]) == (other.exception, other.frames[:1])
+        if rtol == 0.0:
+            return self.digest == other.digest
+        return _close(self.loss, other.loss, rtol) and _close(self.grad_norm, other.grad_norm, rtol)
+
+    def describe(self) -> str:
+        if self.crashed:
+            where = f" at {self.frames[0]}" if self.frames else ""
+            return f"{self.exception}: {self.message}{where}"
+        skipped = f", skipped ({self.skipped})" if self.skipped else ""
+        return f"loss {self.loss!r}, grad norm {self.grad_norm!r} (digest {self.digest}){skipped}"
+
+
+def _close(a: float | None, b: float | None, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+def outcome_of_record(record: dict[str, Any]) -> StepOutcome:
+    """The outcome a steps.jsonl record describes (its digest recomputed from the exact values)."""
+    loss, grad_norm = float(record["loss"]), float(record["grad_norm"])
+    return StepOutcome(loss, grad_norm, step_digest(loss, grad_norm), record.get("skipped"))
+
+
+def outcome_of_crash(event: dict[str, Any]) -> StepOutcome:
+    """The outcome a `crash` event describes."""
+    return StepOutcome(
+        exception=str(event.get("exception")),
+        message=str(event.get("message", "")),
+        frames=[str(f) for f in event.get("frames") or []],
+    )
