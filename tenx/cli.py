@@ -17,6 +17,7 @@ from typing import Any
 from tenx.cli_parsing import Parser, add_set, command
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
+from tenx.eval.cli import add_eval_parser
 from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
 from tenx.rundir import RunDir
 from tenx.triage.cli import add_incidents_parser, add_replay_parser, add_triage_parser
@@ -86,31 +87,6 @@ def cmd_status(args: argparse.Namespace) -> None:
     from tenx.monitor.goodput import format_status
 
     print(format_status(args.run_dir))
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    from tenx.eval.run import evaluate
-
-    report = evaluate(
-        args.target,
-        args.split,
-        args.out,
-        args.batch_size,
-        args.device,
-        stride=args.stride,
-        precision=args.precision,
-    )
-    for name, r in report["datasets"].items():
-        if not r["tokens"]:
-            print(f"{name:>12}: empty")
-            continue
-        print(
-            f"{name:>12}: {r['bits_per_byte']:.4f} bits/byte | loss {r['loss']:.4f} nats/token | "
-            f"ppl {r['perplexity']:.2f} | {r['tokens']:,} tokens | {r['bytes']:,} bytes"
-        )
-    if report.get("write_error"):
-        raise TenxError(f"{report['write_error']}; the results above were computed but not saved (use --out)")
-    print(f"wrote {report['path']}")
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -483,29 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     add_triage_parser(sub)
 
-    ep = sub.add_parser("eval", help="bits per byte on held-out data")
-    ep.add_argument("target", help="run directory or checkpoint directory")
-    ep.add_argument(
-        "--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)"
-    )
-    ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
-    ep.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
-    ep.add_argument(
-        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
-    )
-    ep.add_argument(
-        "--stride",
-        type=int,
-        default=None,
-        help="tokens each scoring window moves (default seq_len: no overlap; smaller gives more context)",
-    )
-    ep.add_argument(
-        "--precision",
-        choices=["auto", "fp32", "bf16"],
-        default="auto",
-        help="auto: bf16 where this device runs it fast (measured on CPUs), else fp32",
-    )
-    ep.set_defaults(func=cmd_eval)
+    add_eval_parser(sub)  # `tenx eval RUN... [--split X] [--decontaminate] [--breakdown]` (tenx/eval/cli.py)
 
     sp = sub.add_parser("sample", help="print a continuation of a prompt")
     sp.add_argument("target", help="run directory or checkpoint directory")

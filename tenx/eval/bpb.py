@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,40 @@ def window_plan(n_targets: int, seq_len: int, stride: int) -> tuple[int, list[tu
 
 
 @torch.no_grad()
+def _scored_windows(
+    model: Transformer,
+    tokens: np.ndarray,
+    eot_id: int,
+    batch_size: int,
+    stride: int | None,
+    amp_dtype: torch.dtype,
+) -> Iterator[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]]:
+    """For each batch of windows: their (start, first scored position), per-position NLL and scored mask."""
+    device = next(model.parameters()).device
+    T = model.cfg.seq_len
+    stride = min(stride or T, T)
+    stream = np.concatenate([np.array([eot_id], dtype=np.int64), np.asarray(tokens, dtype=np.int64)])
+    n_targets = len(stream) - 1
+    if n_targets == 0:
+        return
+    length, plan = window_plan(n_targets, T, stride)
+    positions = torch.arange(length, device=device)
+    model.eval()
+    batches = range(0, len(plan), batch_size)
+    if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal, nothing in logs
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="eval", unit="batch", leave=False)
+    for i in batches:
+        chunk = plan[i : i + batch_size]
+        batch = torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])).to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            logits = model(batch[:, :-1])
+        nll = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+        first = torch.tensor([f for _, f in chunk], device=device)
+        yield chunk, nll.view(len(chunk), length), positions[None, :] >= first[:, None]
+
+
 def stream_nll(
     model: Transformer,
     tokens: np.ndarray,
@@ -53,32 +88,28 @@ def stream_nll(
     `stride` (default seq_len) is how far each window moves; a smaller stride gives every scored token at
     least seq_len - stride tokens of context, at seq_len / stride times the compute.
     """
-    device = next(model.parameters()).device
-    T = model.cfg.seq_len
-    stride = min(stride or T, T)
-    stream = np.concatenate([np.array([eot_id], dtype=np.int64), np.asarray(tokens, dtype=np.int64)])
-    n_targets = len(stream) - 1
-    if n_targets == 0:
-        return 0.0, 0
-    length, plan = window_plan(n_targets, T, stride)
-    positions = torch.arange(length, device=device)
-    model.eval()
     total = 0.0
-    batches = range(0, len(plan), batch_size)
-    if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal, nothing in logs
-        from tqdm import tqdm
+    for _, nll, mask in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
+        total += nll[mask].sum().item()
+    return total, len(tokens)
 
-        batches = tqdm(batches, desc="eval", unit="batch", leave=False)
-    for i in batches:
-        chunk = plan[i : i + batch_size]
-        batch = torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])).to(device)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            logits = model(batch[:, :-1])
-        nll = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-        first = torch.tensor([f for _, f in chunk], device=device)
-        mask = positions[None, :] >= first[:, None]
-        total += nll.view(len(chunk), length)[mask].sum().item()
-    return total, n_targets
+
+def token_nll(
+    model: Transformer,
+    tokens: np.ndarray,
+    eot_id: int,
+    batch_size: int = 8,
+    *,
+    stride: int | None = None,
+    amp_dtype: torch.dtype = torch.float32,
+) -> np.ndarray:
+    """The NLL (nats) of each token of `tokens`, scored as `stream_nll` scores them (float64 array)."""
+    out = np.zeros(len(tokens), dtype=np.float64)
+    for chunk, nll, _ in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
+        values = nll.double().cpu().numpy()
+        for row, (start, first) in enumerate(chunk):
+            out[start + first : start + nll.shape[1]] = values[row, first:]
+    return out
 
 
 def summarize(nll: float, tokens: int, num_bytes: int) -> dict[str, Any]:

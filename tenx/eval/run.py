@@ -37,12 +37,19 @@ def evaluate(
     *,
     stride: int | None = None,
     precision: str = "auto",
+    decontaminate: bool = False,
+    breakdown: bool = False,
+    ngram: int = 13,
+    threshold: float | None = None,
 ) -> dict[str, Any]:
     """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
 
     `stride` defaults to seq_len (non-overlapping windows); a smaller one gives each scored token at least
     seq_len - stride tokens of context at seq_len / stride times the compute;
     `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
+    `decontaminate`: also report, per dataset, the documents sharing `ngram`-token n-grams with the training
+    split beyond `threshold` (default tenx.data.ngrams.DEFAULT_THRESHOLD) and score the clean part apart;
+    `breakdown`: per-directory and per-file-type figures (tenx/eval/documents.py).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
     for name in datasets or []:
@@ -68,7 +75,21 @@ def evaluate(
         )
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
-        if name in PREPARED_SPLITS:
+        if decontaminate or breakdown:
+            results[name] = _by_document(
+                loaded.model,
+                name,
+                data_dir,
+                tokenizer,
+                batch_size,
+                stride,
+                amp_dtype,
+                decontaminate,
+                breakdown,
+                ngram,
+                threshold,
+            )
+        elif name in PREPARED_SPLITS:
             results[name] = eval_split(
                 loaded.model, data_dir, name, batch_size, stride=stride, amp_dtype=amp_dtype
             )
@@ -97,6 +118,44 @@ def evaluate(
         report["path"] = None
         report["write_error"] = f"could not write {out_path}: {e.strerror or e}"
     return report
+
+
+def _by_document(
+    model: Any,
+    name: str,
+    data_dir: Path,
+    tokenizer: Any,
+    batch_size: int,
+    stride: int | None,
+    amp_dtype: Any,
+    decontaminate: bool,
+    breakdown: bool,
+    ngram: int,
+    threshold: float | None,
+) -> dict[str, Any]:
+    """A dataset scored document by document: contamination, the clean part, breakdowns."""
+    from tenx.data.ngrams import DEFAULT_THRESHOLD
+    from tenx.eval.documents import contamination_report, score_documents, source_documents, split_documents
+
+    docs = split_documents(data_dir, name) if name in PREPARED_SPLITS else source_documents(name, tokenizer)
+    report = None
+    if decontaminate:
+        report = contamination_report(
+            data_dir, docs, ngram, DEFAULT_THRESHOLD if threshold is None else threshold
+        )
+    result = score_documents(
+        model,
+        docs,
+        tokenizer.eot_id,
+        batch_size,
+        stride=stride,
+        amp_dtype=amp_dtype,
+        contaminated=report.pop("_flags") if report else None,
+        breakdown=breakdown,
+    )
+    if report:
+        result["contamination"] = report
+    return result
 
 
 def _is_text_source(spec: str) -> bool:

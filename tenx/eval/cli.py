@@ -1,0 +1,160 @@
+"""`tenx eval`: its flags, its printout, and the comparison of several runs on the same data."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tenx.errors import TenxError
+from tenx.utils.cli import subcommand
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    if not r.get("tokens"):
+        return f"{name:>12}: empty"
+    return (
+        f"{name:>12}: {r['bits_per_byte']:.4f} bits/byte | loss {r['loss']:.4f} nats/token | "
+        f"ppl {r['perplexity']:.2f} | {r['tokens']:,} tokens | {r['bytes']:,} bytes"
+    )
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """One run's figures: each dataset, its contamination and clean part, its breakdowns."""
+    lines = []
+    for name, r in report["datasets"].items():
+        lines.append(_line(name, r))
+        c = r.get("contamination")
+        if c:
+            lines.append(
+                f"{'':>12}  contamination ({c['n']}-gram, threshold {c['threshold']:g}): "
+                f"{c['contaminated_documents']} of {c['documents']} documents "
+                f"({100 * c['contaminated_fraction']:.1f}%), {c['contaminated_bytes']:,} bytes "
+                f"({100 * c['contaminated_bytes_fraction']:.1f}%); {100 * c['shared_ngram_fraction']:.2f}% of "
+                "all n-grams occur in training"
+            )
+            clean = r["clean"]
+            if clean.get("tokens"):
+                lines.append(
+                    f"{'':>12}  clean part: {clean['bits_per_byte']:.4f} bits/byte over {clean['documents']} "
+                    f"documents, {clean['bytes']:,} bytes"
+                )
+        for key, title in (("by_directory", "directory"), ("by_file_type", "file type")):
+            if r.get(key):
+                lines.append(f"{'':>12}  by {title}:")
+                for group, g in r[key].items():
+                    bpb = f"{g['bits_per_byte']:.4f}" if g.get("bits_per_byte") is not None else "-"
+                    lines.append(
+                        f"{'':>14}{group:<28} {bpb:>8} bits/byte  {g['documents']:>5} docs  {g['bytes']:>10,} bytes"
+                    )
+    return "\n".join(lines)
+
+
+def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
+    """Runs side by side on the same datasets (bits per byte; the clean part's where decontaminated)."""
+    names = list(next(iter(reports.values()))["datasets"])
+    header = f"{'run':<32}" + "".join(f"{n[-24:]:>26}" for n in names)
+    lines = [header, "-" * len(header)]
+    for run, report in reports.items():
+        cells = []
+        for n in names:
+            r = report["datasets"][n]
+            value = (r.get("clean") or r).get("bits_per_byte")
+            cells.append(f"{value:>26.4f}" if value is not None else f"{'-':>26}")
+        lines.append(f"{run[-32:]:<32}" + "".join(cells))
+    best = {
+        n: min(
+            reports,
+            key=lambda k: (
+                (reports[k]["datasets"][n].get("clean") or reports[k]["datasets"][n]).get("bits_per_byte")
+                or float("inf")
+            ),
+        )
+        for n in names
+    }
+    lines.append(
+        "lowest bits per byte (clean part where decontaminated): "
+        + "; ".join(f"{n}: {b}" for n, b in best.items())
+    )
+    return "\n".join(lines)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Evaluate each run on each dataset; print each, then a comparison when there are several runs."""
+    from tenx.eval.run import evaluate
+
+    if args.out and len(args.targets) > 1:
+        raise TenxError("--out names one eval.json: give it with one run (each run keeps its own eval.json)")
+    reports = {}
+    for target in args.targets:
+        report = evaluate(
+            target,
+            args.split,
+            args.out,
+            args.batch_size,
+            args.device,
+            stride=args.stride,
+            precision=args.precision,
+            decontaminate=args.decontaminate,
+            breakdown=args.breakdown,
+            ngram=args.ngram,
+            threshold=args.threshold,
+        )
+        if len(args.targets) > 1:
+            print(f"{target}:")
+        print(format_report(report))
+        if report.get("write_error"):
+            raise TenxError(
+                f"{report['write_error']}; the results above were computed but not saved (use --out)"
+            )
+        print(f"wrote {report['path']}")
+        reports[str(target)] = report
+    if len(reports) > 1:
+        print()
+        print(format_comparison(reports))
+
+
+def _eval_arguments(ep: argparse.ArgumentParser) -> None:
+    ep.add_argument(
+        "targets", nargs="+", metavar="TARGET", help="run or checkpoint directories (several: a comparison)"
+    )
+    ep.add_argument(
+        "--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)"
+    )
+    ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
+    ep.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    ep.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+    )
+    ep.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="tokens each scoring window moves (default seq_len: no overlap; smaller gives more context)",
+    )
+    ep.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="auto: bf16 where this device runs it fast (measured on CPUs), else fp32",
+    )
+    ep.add_argument(
+        "--decontaminate",
+        action="store_true",
+        help="report the documents that share n-grams with the training split and score the clean part apart",
+    )
+    ep.add_argument(
+        "--ngram", type=int, default=13, help="n-gram length of --decontaminate, in tokens (default 13)"
+    )
+    ep.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="a document is contaminated when more than this fraction of its n-grams occur in training "
+        "(default: tenx.data.ngrams.DEFAULT_THRESHOLD; see docs/eval.md)",
+    )
+    ep.add_argument("--breakdown", action="store_true", help="figures per directory and per file type")
+
+
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx eval` on the CLI's subparsers."""
+    return subcommand(subparsers, "eval", "bits per byte on held-out data", cmd_eval, _eval_arguments)

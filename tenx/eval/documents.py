@@ -1,0 +1,203 @@
+"""Held-out data scored document by document: contamination against the training split, the clean part's
+score, and breakdowns by directory and file type ("monorepo loss").
+
+A dataset's documents (a prepared split, cut at its shard indexes; or the files of a directory, cleaned as
+`tenx data prepare` cleans them) form one token stream, each followed by the end-of-document token, scored
+exactly as `tenx eval` scores it (tenx.eval.bpb.token_nll); each document owns its tokens and its
+end-of-document token. A document is *contaminated* when more than `threshold` of its n-grams (token
+n-grams of the training split's index, tenx.data.ngrams) also occur in training; the clean part's bits per
+byte leave those documents out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import torch
+
+from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
+from tenx.data.prepare import CleaningStats, clean_text
+from tenx.data.sources import iter_documents
+from tenx.data.tokenizer import Tokenizer
+from tenx.errors import DataError
+from tenx.eval.bpb import summarize, token_nll
+from tenx.model.transformer import Transformer
+
+
+@dataclass
+class Document:
+    name: str
+    """Its path relative to the source (a directory), or `split#N` for a prepared split."""
+    tokens: np.ndarray
+    num_bytes: int
+
+
+def split_documents(data_dir: str | Path, split: str) -> list[Document]:
+    """The documents of a prepared split, cut at its shard indexes (each without its end-of-document id)."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    dtype = np_dtype(manifest)
+    from tenx.data.tokenizer import load_tokenizer
+
+    lengths = np.array([len(p) for p in load_tokenizer(data_dir, manifest["tokenizer"]).token_bytes()])
+    docs: list[Document] = []
+    for shard in manifest["splits"][split]["shards"]:
+        if not int(shard["tokens"]):
+            continue
+        tokens = np.fromfile(data_dir / shard["file"], dtype=dtype).astype(np.int64)
+        starts = np.fromfile(data_dir / shard["index_file"], dtype=INDEX_DTYPE)
+        ends = [*starts[1:].tolist(), len(tokens)]
+        for start, end in zip(starts.tolist(), ends):
+            body = tokens[start : end - 1]  # the shard keeps each document's end-of-document id
+            if np.any(body >= len(lengths)) or np.any(body < 0):
+                raise DataError(
+                    f"{data_dir / shard['file']}: a token id outside the vocabulary; re-run prepare"
+                )
+            docs.append(Document(f"{split}#{len(docs)}", body, int(lengths[body].sum())))
+    return docs
+
+
+def source_documents(spec: str, tokenizer: Tokenizer) -> list[Document]:
+    """The documents of any source `tenx data prepare` reads, cleaned the same way, named by their ids."""
+    stats = CleaningStats()
+    names, texts = [], []
+    for raw in iter_documents(spec):
+        cleaned = clean_text(raw.data, stats)
+        if cleaned:
+            names.append(raw.id)
+            texts.append(cleaned[0])
+    if not texts:
+        raise DataError(f"{spec}: no text documents to evaluate")
+    encoded = tokenizer.encode_batch(texts)
+    return [
+        Document(name, np.asarray(ids, dtype=np.int64), len(text.encode("utf-8")))
+        for name, ids, text in zip(names, encoded, texts)
+    ]
+
+
+def document_nll(
+    model: Transformer,
+    docs: list[Document],
+    eot_id: int,
+    batch_size: int,
+    *,
+    stride: int | None,
+    amp_dtype: torch.dtype,
+) -> np.ndarray:
+    """Each document's NLL (nats) within the whole dataset's stream, its end-of-document token included."""
+    pieces, bounds, at = [], [], 0
+    for doc in docs:
+        pieces += [doc.tokens, np.array([eot_id], dtype=np.int64)]
+        at += len(doc.tokens) + 1
+        bounds.append(at)
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    per_token = token_nll(model, stream, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
+    sums = np.add.reduceat(per_token, [0, *bounds[:-1]]) if len(docs) else np.zeros(0)
+    return sums
+
+
+def _group(docs: list[Document], nll: np.ndarray, key: Callable[[str], str]) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[int]] = {}
+    for i, doc in enumerate(docs):
+        groups.setdefault(key(doc.name), []).append(i)
+    return {
+        name: {
+            **summarize(
+                float(nll[idx].sum()),
+                int(sum(len(docs[i].tokens) + 1 for i in idx)),
+                int(sum(docs[i].num_bytes for i in idx)),
+            ),
+            "documents": len(idx),
+        }
+        for name, idx in sorted(groups.items())
+    }
+
+
+def by_directory(name: str, depth: int = 1) -> str:
+    """The first `depth` directories of a document's path (`.` for files at the top)."""
+    parts = PurePosixPath(name).parts[:-1]
+    return "/".join(parts[:depth]) or "."
+
+
+def by_extension(name: str) -> str:
+    """A document's file type: its suffix (`(none)` without one)."""
+    return PurePosixPath(name).suffix or "(none)"
+
+
+def score_documents(
+    model: Transformer,
+    docs: list[Document],
+    eot_id: int,
+    batch_size: int,
+    *,
+    stride: int | None,
+    amp_dtype: torch.dtype,
+    contaminated: np.ndarray | None = None,
+    breakdown: bool = False,
+) -> dict[str, Any]:
+    """The dataset's figures (as eval_texts gives them), plus the clean part and breakdowns when asked."""
+    nll = document_nll(model, docs, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
+    tokens = int(sum(len(d.tokens) + 1 for d in docs))
+    result = summarize(float(nll.sum()), tokens, int(sum(d.num_bytes for d in docs)))
+    if contaminated is not None:
+        clean = [i for i in range(len(docs)) if not contaminated[i]]
+        result["clean"] = {
+            **summarize(
+                float(nll[clean].sum()),
+                int(sum(len(docs[i].tokens) + 1 for i in clean)),
+                int(sum(docs[i].num_bytes for i in clean)),
+            ),
+            "documents": len(clean),
+        }
+    if breakdown:
+        result["by_directory"] = _group(docs, nll, by_directory)
+        result["by_file_type"] = _group(docs, nll, by_extension)
+    return result
+
+
+def contamination_report(data_dir: Path, docs: list[Document], n: int, threshold: float) -> dict[str, Any]:
+    """Per-dataset contamination against the training split's n-gram index (built when missing)."""
+    from tenx.data import ngrams
+
+    try:
+        index = ngrams.load_index(data_dir, n)
+    except DataError as missing:
+        if "tenx data index" not in str(missing):
+            raise
+        print(f"tenx eval: building the {n}-gram index of the training split of {data_dir}")
+        ngrams.build_index(data_dir, n)
+        index = ngrams.load_index(data_dir, n)
+    found = np.zeros(len(docs), dtype=np.int64)
+    total = np.zeros(len(docs), dtype=np.int64)
+    for i, doc in enumerate(docs):
+        found[i], total[i] = index.overlap(doc.tokens)
+    fraction = np.where(total > 0, found / np.maximum(total, 1), 0.0)
+    flagged = fraction > threshold
+    n_bytes = np.array([d.num_bytes for d in docs], dtype=np.int64)
+    worst = int(np.argmax(fraction)) if len(docs) else None
+    return {
+        "n": n,
+        "threshold": threshold,
+        "documents": len(docs),
+        "contaminated_documents": int(flagged.sum()),
+        "contaminated_fraction": float(flagged.mean()) if len(docs) else 0.0,
+        "contaminated_bytes": int(n_bytes[flagged].sum()),
+        "contaminated_bytes_fraction": float(n_bytes[flagged].sum() / max(1, n_bytes.sum())),
+        "shared_ngram_fraction": float(found.sum() / max(1, total.sum())),
+        "most_contaminated": (
+            {"document": docs[worst].name, "shared_fraction": float(fraction[worst])}
+            if worst is not None
+            else None
+        ),
+        "contaminated_names": [docs[i].name for i in np.flatnonzero(flagged)[:20]],
+        "_flags": flagged,
+    }
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
