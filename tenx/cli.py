@@ -18,6 +18,7 @@ from tenx.cli_parsing import Parser, add_set, command
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
 from tenx.eval.cli import add_eval_parser
+from tenx.eval.codec_cli import add_compress_parsers
 from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
 from tenx.rundir import RunDir
 from tenx.triage.cli import add_incidents_parser, add_replay_parser, add_triage_parser
@@ -30,6 +31,12 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
     cfg = config_from_args(PrepareConfig, args, PREPARE_FLAGS)
     manifest = prepare(cfg, progress=not args.quiet)
     print(format_summary(manifest, args.out))
+
+
+def cmd_data_index(args: argparse.Namespace) -> None:
+    from tenx.data.ngrams import index_command
+
+    index_command(args)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -211,6 +218,7 @@ PREPARE_FLAGS = (
     "shard_tokens",
     "max_documents",
 )
+PREPARE_FLAGS += ("near_dup_threshold", "near_dup_shingle", "ngram_index")
 """The PrepareConfig fields `tenx data prepare` takes as flags."""
 LADDER_FLAGS = (
     "grid",
@@ -391,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prepare corpora").add_subparsers(dest="data_command", required=True)
     about = "corpus -> tokenizer -> shards + manifest, split by document"
     command(data, "prepare", about, cmd_data_prepare, _prepare_arguments)
+    ip = data.add_parser("index", help="hashed n-grams of the train split, for decontamination")
+    ip.add_argument("data_dir", help="a prepared data directory")
+    ip.add_argument("--n", type=int, default=13, help="n-gram length in tokens (default 13)")
+    ip.set_defaults(func=cmd_data_index)
 
     tp = sub.add_parser("train", help="train a model from a TOML config")
     tp.add_argument(
@@ -458,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_incidents_parser(sub)  # `tenx incidents RUN_DIR...`: every anomaly of runs (tenx/triage/)
     add_replay_parser(sub)
     add_triage_parser(sub)
+    add_compress_parsers(sub)  # `tenx compress` / `tenx decompress` (tenx/eval/codec.py)
 
     add_eval_parser(sub)  # `tenx eval RUN... [--split X] [--decontaminate] [--breakdown]` (tenx/eval/cli.py)
 

@@ -150,7 +150,7 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="a document is contaminated when more than this fraction of its n-grams occur in training "
-        "(default: tenx.data.ngrams.DEFAULT_THRESHOLD; see docs/eval.md)",
+        "(default 0.5: tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD; see docs/eval.md)",
     )
     ep.add_argument("--breakdown", action="store_true", help="figures per directory and per file type")
 

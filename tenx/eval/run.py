@@ -48,7 +48,7 @@ def evaluate(
     seq_len - stride tokens of context at seq_len / stride times the compute;
     `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
     `decontaminate`: also report, per dataset, the documents sharing `ngram`-token n-grams with the training
-    split beyond `threshold` (default tenx.data.ngrams.DEFAULT_THRESHOLD) and score the clean part apart;
+    split beyond `threshold` (default tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD) and score the clean part apart;
     `breakdown`: per-directory and per-file-type figures (tenx/eval/documents.py).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
@@ -134,14 +134,15 @@ def _by_document(
     threshold: float | None,
 ) -> dict[str, Any]:
     """A dataset scored document by document: contamination, the clean part, breakdowns."""
-    from tenx.data.ngrams import DEFAULT_THRESHOLD
     from tenx.eval.documents import contamination_report, score_documents, source_documents, split_documents
 
     docs = split_documents(data_dir, name) if name in PREPARED_SPLITS else source_documents(name, tokenizer)
     report = None
     if decontaminate:
+        from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD
+
         report = contamination_report(
-            data_dir, docs, ngram, DEFAULT_THRESHOLD if threshold is None else threshold
+            data_dir, docs, ngram, DEFAULT_CONTAMINATION_THRESHOLD if threshold is None else threshold
         )
     result = score_documents(
         model,

@@ -1,0 +1,508 @@
+"""Lossless compression with a trained model: range coding driven by its next-token probabilities.
+
+`compress_bytes` turns any bytes into a `.tenx` blob and `decompress_bytes` gives back exactly those bytes
+(`tenx compress` / `tenx decompress` wrap the file versions).
+
+Any bytes round-trip. The input becomes token ids whose byte strings, looked up in the tokenizer's
+token-to-bytes table, concatenate to exactly the input: the byte tokenizer maps each byte to its id; with a
+byte-level BPE each maximal run of valid UTF-8 is encoded as text, and each byte that is not valid UTF-8 (and
+any run whose BPE ids do not spell it back byte for byte, checked here) becomes the single-byte token every
+byte-level BPE holds. Decompression joins the table's byte strings: it never decodes text, so binary data,
+NUL bytes and invalid UTF-8 come back unchanged. The end-of-document token is never coded (the header holds
+the token count), so its probability is given to the other tokens.
+
+Both sides compute bit-identical probabilities because they run one function, `_code`, on the same inputs.
+The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
+conditioned on the end-of-document token, as documents start in training); up to MAX_GROUP chunks go through
+the model together, one position per step, with a key/value cache. Step s feeds every chunk's token s-1
+(known to the encoder, just decoded by the decoder), so the same kernels see the same shapes and values on
+both sides: fp32, no autocast, TF32 off, and torch's thread count fixed to the one the header records (the
+cached step's logits differ in the last bits between 1 and 2 threads, measured on a CPU). The float64
+softmax of the logits becomes integer frequencies, floor(p * 2**24) + 1 (every token codable), before
+constriction's range coder quantises them. Not covered: another CPU instruction set or torch build may round
+differently; the xxhash of the original bytes then fails and decompression raises instead of writing.
+
+Container, little-endian: the 80 bytes of HEADER (magic b"TENX", format version, torch threads, device
+0 cpu / 1 cuda, stored flag, tokens per chunk, chunks per group, original length, token count, 32-bit words
+of code, checkpoint step, then the xxh3-64 digests of the original bytes, of the checkpoint's manifest file,
+of the tokenizer (its manifest entry's hash) and of the body), 8 bytes of xxh3-64 of those 80, then the body:
+the code as 32-bit words, or the original bytes when the code would be longer (the stored flag set).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import constriction
+import numpy as np
+import torch
+import torch.nn.functional as F
+import xxhash
+
+from tenx import checkpoint as ckpt
+from tenx.data.manifest import read_manifest
+from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
+from tenx.errors import DataError, TenxError
+from tenx.eval.load import LoadedModel, load_model
+from tenx.model.transformer import Block, Transformer, apply_rope
+from tenx.utils.io import atomic_write_bytes, file_xxhash
+
+MAGIC = b"TENX"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
+"""magic, version, then the fields of Header in order (digests as 8 bytes each)."""
+HEADER_BYTES = HEADER.size + 8
+MAX_GROUP = 64
+"""Chunks coded side by side: one forward step serves this many tokens (measured on the quickstart model,
+1 thread: 2,200 tokens/s one chunk at a time, 9,200 with 64)."""
+CACHE_BYTES = 1 << 30
+"""Fewer chunks side by side where their key/value cache would exceed this (large models)."""
+FREQ_SCALE = float(1 << 24)
+DEVICES = ("cpu", "cuda")
+_ESCAPED = re.compile("([\udc80-\udcff]+)")
+"""Runs of bytes that are not UTF-8, as decode(errors="surrogateescape") spells them."""
+
+
+@dataclass
+class CodecModel:
+    """A model and its tokenizer ready to code: the token-to-bytes table and both identities."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    checkpoint: Path
+    data_dir: Path
+    """The prepared data directory the model was trained on (its tokenizer's)."""
+    step: int
+    table: list[bytes | None]
+    """Bytes of each coding id (None: an id no input is coded with, e.g. end-of-document)."""
+    byte_ids: np.ndarray
+    """The id of each single byte 0..255."""
+    model_hash: str
+    """xxh3-64 of the checkpoint's manifest file: its identity."""
+    tokenizer_hash: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return next(self.model.parameters()).device
+
+
+def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu") -> CodecModel:
+    """The model of a run or checkpoint directory (or one loaded already) with what coding needs."""
+    if isinstance(target, CodecModel):
+        return target
+    loaded = target if isinstance(target, LoadedModel) else load_model(target, device)
+    if loaded.model.cfg.vocab_size is None:
+        raise TenxError(f"checkpoint {loaded.checkpoint}: its model has no vocabulary size")
+    entry = read_manifest(loaded.data_dir)["tokenizer"]
+    tokenizer = load_tokenizer(loaded.data_dir, entry)
+    trained = loaded.meta.get("data_tokenizer")
+    if isinstance(trained, dict) and trained.get("xxhash") not in (None, entry["xxhash"]):
+        raise DataError(
+            f"{loaded.data_dir}: its tokenizer (xxhash {entry['xxhash']}) is not the one checkpoint "
+            f"{loaded.checkpoint} was trained with (xxhash {trained['xxhash']})"
+        )
+    if tokenizer.vocab_size > loaded.model.cfg.vocab_size:
+        raise DataError(
+            f"{loaded.data_dir}: its tokenizer has {tokenizer.vocab_size} tokens but the model of "
+            f"{loaded.checkpoint} has {loaded.model.cfg.vocab_size}: not the data the run was trained on"
+        )
+    table = _token_bytes(tokenizer)
+    byte_ids = np.full(256, -1, dtype=np.int64)
+    for i, spelled in enumerate(table):
+        if spelled is not None and len(spelled) == 1 and byte_ids[spelled[0]] < 0:
+            byte_ids[spelled[0]] = i
+    if (byte_ids < 0).any():
+        missing = ", ".join(f"0x{b:02x}" for b in np.flatnonzero(byte_ids < 0)[:8])
+        raise TenxError(
+            f"tokenizer of {loaded.data_dir} has no token for byte(s) {missing}: it cannot code any bytes"
+        )
+    return CodecModel(
+        model=loaded.model,
+        tokenizer=tokenizer,
+        checkpoint=loaded.checkpoint,
+        data_dir=loaded.data_dir,
+        step=int(loaded.meta["step"]),
+        table=table,
+        byte_ids=byte_ids,
+        model_hash=file_xxhash(loaded.checkpoint / ckpt.MANIFEST),
+        tokenizer_hash=str(entry["xxhash"]),
+    )
+
+
+def _byte_level_chars() -> list[str]:
+    """The character byte-level BPE spells each byte with (GPT-2's table: printable Latin-1 bytes stand for
+    themselves, the others take the code points from 256 up, in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def _token_bytes(tokenizer: Tokenizer) -> list[bytes | None]:
+    """The bytes each id stands for; None for the end-of-document id (and BPE tokens outside the byte
+    alphabet, which no input is coded with)."""
+    table: list[bytes | None] = [None] * tokenizer.vocab_size
+    if not isinstance(tokenizer, BPETokenizer):
+        table[:256] = [bytes([b]) for b in range(256)]
+        return table
+    byte_of = {c: b for b, c in enumerate(_byte_level_chars())}
+    vocab = json.loads(tokenizer.to_json())["model"]["vocab"]
+    for token, i in vocab.items():
+        if 0 <= i < len(table) and i != tokenizer.eot_id and token and all(c in byte_of for c in token):
+            table[i] = bytes(byte_of[c] for c in token)
+    return table
+
+
+def _spell(codec: CodecModel, ids: np.ndarray | list[int]) -> bytes | None:
+    """The bytes of `ids`, or None if one of them stands for no bytes."""
+    table, listed = codec.table, ids.tolist() if isinstance(ids, np.ndarray) else ids
+    try:
+        return b"".join([table[i] for i in listed])  # type: ignore[misc]
+    except TypeError:
+        return None
+
+
+def _to_ids(codec: CodecModel, data: bytes) -> np.ndarray:
+    """Coding ids whose bytes concatenate to exactly `data` (see the module docstring)."""
+    if not isinstance(codec.tokenizer, BPETokenizer):
+        return codec.byte_ids[np.frombuffer(data, dtype=np.uint8)]
+    pieces = _ESCAPED.split(data.decode("utf-8", errors="surrogateescape"))
+    encoded = iter(codec.tokenizer.encode_batch(pieces[0::2]))  # even pieces are text, odd ones raw bytes
+    parts = []
+    for i, piece in enumerate(pieces):
+        raw = piece.encode("utf-8", errors="surrogateescape")
+        ids = next(encoded) if i % 2 == 0 else None
+        if ids is not None and _spell(codec, ids) == raw:
+            parts.append(np.asarray(ids, dtype=np.int64))
+        else:
+            parts.append(codec.byte_ids[np.frombuffer(raw, dtype=np.uint8)])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class _Stepper:
+    """The model one position at a time with a key/value cache: logits (R, V) of position `pos` of R rows.
+
+    The same math as Transformer.forward (tests/test_codec.py compares them), restated for one position.
+    """
+
+    def __init__(self, model: Transformer, rows: int) -> None:
+        self.model = model
+        self.blocks = [cast(Block, block) for block in model.blocks]
+        self.rope = (
+            (cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin))
+            if model.cfg.pos == "rope"
+            else None
+        )
+        attn = self.blocks[0].attn
+        shape = (rows, attn.n_kv_heads, model.cfg.seq_len, attn.head_dim)
+        device = next(model.parameters()).device
+        # Only positions already written are read, so the cache needs no initial values.
+        self.keys = [torch.empty(shape, device=device) for _ in self.blocks]
+        self.values = [torch.empty(shape, device=device) for _ in self.blocks]
+
+    def __call__(self, tokens_R: torch.Tensor, pos: int) -> torch.Tensor:
+        m, R = self.model, tokens_R.shape[0]
+        x_R1D = m.tok_emb(tokens_R)[:, None]
+        if m.pos_emb is not None:
+            x_R1D = x_R1D + m.pos_emb.weight[pos]
+        for i, block in enumerate(self.blocks):
+            a = block.attn
+            qkv = a.qkv_proj(block.attn_norm(x_R1D)).view(R, 1, a.n_heads + 2 * a.n_kv_heads, a.head_dim)
+            q_R1HE, k_R1KE, v_R1KE = qkv.split([a.n_heads, a.n_kv_heads, a.n_kv_heads], dim=2)
+            q_RH1E, k_RK1E, v_RK1E = q_R1HE.transpose(1, 2), k_R1KE.transpose(1, 2), v_R1KE.transpose(1, 2)
+            if a.q_norm is not None and a.k_norm is not None:
+                q_RH1E, k_RK1E = a.q_norm(q_RH1E), a.k_norm(k_RK1E)
+            if self.rope is not None:
+                cos, sin = self.rope[0][pos : pos + 1], self.rope[1][pos : pos + 1]
+                q_RH1E, k_RK1E = apply_rope(q_RH1E, cos, sin), apply_rope(k_RK1E, cos, sin)
+            self.keys[i][:, :, pos] = k_RK1E[:, :, 0]
+            self.values[i][:, :, pos] = v_RK1E[:, :, 0]
+            y_RH1E = F.scaled_dot_product_attention(
+                q_RH1E,
+                self.keys[i][:, :, : pos + 1],
+                self.values[i][:, :, : pos + 1],
+                enable_gqa=a.n_kv_heads != a.n_heads,
+            )
+            x_R1D = x_R1D + a.out_proj(y_RH1E.transpose(1, 2).reshape(R, 1, -1))
+            x_R1D = x_R1D + block.mlp(block.mlp_norm(x_R1D))
+        return m.lm_head(m.final_norm(x_R1D))[:, 0]
+
+
+def _frequencies(logits_RV: torch.Tensor, vocab: int, eot: int) -> np.ndarray:
+    """Integer token frequencies (as float64, exact) from fp32 logits: what the range coder sees."""
+    z_RV = logits_RV[:, :vocab].float().cpu().double()
+    z_RV[:, eot] = -torch.inf  # never coded: the header holds the token count
+    return (torch.floor(torch.softmax(z_RV, dim=-1) * FREQ_SCALE) + 1).numpy()
+
+
+@torch.inference_mode()
+def _code(
+    codec: CodecModel, tokens_N: np.ndarray, chunk: int, group: int, coder: Any, decoding: bool
+) -> None:
+    """Encode `tokens_N` into `coder`, or (decoding) fill `tokens_N` from it: one loop for both, so both
+    compute the same probabilities (see the module docstring)."""
+    family = constriction.stream.model.Categorical(perfect=False)
+    vocab, eot, device = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.device
+    starts = np.arange(0, len(tokens_N), chunk)
+    for g in range(0, len(starts), group):
+        first_R = starts[g : g + group]
+        length_R = np.minimum(chunk, len(tokens_N) - first_R)  # only the last chunk may be shorter
+        step = _Stepper(codec.model, len(first_R))
+        inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
+        for s in range(int(length_R[0])):
+            active = int(np.count_nonzero(length_R > s))
+            freqs = _frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
+            where = first_R[:active] + s
+            if decoding:
+                tokens_N[where] = coder.decode(family, freqs)
+            else:
+                coder.encode(tokens_N[where].astype(np.int32), family, freqs)
+            inputs_R[:active] = torch.from_numpy(tokens_N[where])
+
+
+def _group(model: Transformer) -> int:
+    """Chunks side by side: MAX_GROUP, fewer where their key/value cache would pass CACHE_BYTES."""
+    attn = cast(Block, model.blocks[0]).attn
+    per_row = 2 * len(model.blocks) * attn.n_kv_heads * model.cfg.seq_len * attn.head_dim * 4
+    return max(1, min(MAX_GROUP, CACHE_BYTES // per_row))
+
+
+@contextmanager
+def _fixed_numerics(threads: int) -> Iterator[None]:
+    """fp32 without TF32 or reduced-precision matmuls, on `threads` torch threads; restored after."""
+    saved = (
+        torch.get_num_threads(),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.set_float32_matmul_precision(saved[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
+
+
+def _digest(data: bytes) -> bytes:
+    return xxhash.xxh3_64_digest(data)
+
+
+def _hex_digest(hex_hash: str) -> bytes:
+    """8 bytes for an xxh3-64 hex digest (any other identity string: the digest of its text)."""
+    try:
+        raw = bytes.fromhex(hex_hash)
+    except ValueError:
+        raw = b""
+    return raw if len(raw) == 8 else _digest(hex_hash.encode("utf-8"))
+
+
+def compress_bytes(model: CodecModel | LoadedModel | str | Path, data: bytes, *, threads: int = 1) -> bytes:
+    """`data` compressed with `model` (a run or checkpoint directory, or one loaded already) into a `.tenx`
+    blob; stored verbatim when the model's code would be longer (random bytes: at most the header is added).
+    `threads`: torch threads while coding, recorded so decompression uses as many (1: the most portable)."""
+    if not 1 <= threads <= 255:
+        raise TenxError(f"--threads must be 1..255, got {threads}")
+    codec = load_codec(model)
+    if codec.device.type not in DEVICES:
+        raise TenxError(f"compression runs on {' or '.join(DEVICES)}, not {codec.device.type}")
+    tokens = _to_ids(codec, data)
+    chunk, group = codec.model.cfg.seq_len, _group(codec.model)
+    encoder = constriction.stream.queue.RangeEncoder()
+    with _fixed_numerics(threads):
+        _code(codec, tokens, chunk, group, encoder, decoding=False)
+    code = encoder.get_compressed().astype("<u4").tobytes()
+    stored = len(code) >= len(data)
+    header = Header(
+        threads=threads,
+        device=codec.device.type,
+        stored=stored,
+        chunk=chunk,
+        group=group,
+        length=len(data),
+        tokens=0 if stored else len(tokens),
+        words=0 if stored else len(code) // 4,
+        step=codec.step,
+        data_hash=_digest(data),
+        model_hash=_hex_digest(codec.model_hash),
+        tokenizer_hash=_hex_digest(codec.tokenizer_hash),
+        code_hash=_digest(data if stored else code),
+    ).pack()
+    return header + (data if stored else code)
+
+
+@dataclass
+class Header:
+    """The fields of a `.tenx` header (see the module docstring)."""
+
+    threads: int
+    device: str
+    stored: bool
+    """The body is the original bytes (the model's code would have been longer)."""
+    chunk: int
+    group: int
+    length: int
+    tokens: int
+    words: int
+    step: int
+    data_hash: bytes
+    model_hash: bytes
+    tokenizer_hash: bytes
+    code_hash: bytes
+
+    def pack(self) -> bytes:
+        """The header's HEADER_BYTES, its checksum included."""
+        fields = [*vars(self).values()]
+        fields[1] = DEVICES.index(self.device)
+        packed = HEADER.pack(MAGIC, VERSION, *fields)
+        return packed + _digest(packed)
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes after the header."""
+        return self.length if self.stored else 4 * self.words
+
+
+def read_header(blob: bytes, name: str = "input") -> Header:
+    """The checked header of a `.tenx` blob; a TenxError says what is wrong with a foreign, truncated or
+    corrupt one."""
+    if blob[: len(MAGIC)] != MAGIC:
+        raise TenxError(f"{name} is not a tenx compressed file (it does not start with {MAGIC!r})")
+    if len(blob) < HEADER_BYTES:
+        raise TenxError(
+            f"{name} is truncated: {len(blob)} bytes, shorter than a tenx header ({HEADER_BYTES})"
+        )
+    _, version, threads, device, stored, *rest = HEADER.unpack_from(blob)
+    if version != VERSION:
+        raise TenxError(f"{name} has format version {version}; this tenx reads version {VERSION}")
+    if _digest(blob[: HEADER.size]) != blob[HEADER.size : HEADER_BYTES]:
+        raise TenxError(f"{name} is corrupt: its header does not match its checksum")
+    if device >= len(DEVICES) or stored > 1 or 0 in (threads, rest[0], rest[1]):
+        raise TenxError(f"{name} is corrupt: its header holds impossible values")
+    header = Header(threads, DEVICES[device], bool(stored), *rest)
+    if not header.stored and (header.tokens > header.length or bool(header.length) != bool(header.tokens)):
+        raise TenxError(f"{name} is corrupt: {header.tokens} tokens cannot spell {header.length} bytes")
+    body = len(blob) - HEADER_BYTES
+    if body != header.body_bytes:
+        problem = "truncated" if body < header.body_bytes else "longer than its header says"
+        raise TenxError(f"{name} is {problem}: {body} bytes after the header, which says {header.body_bytes}")
+    if _digest(blob[HEADER_BYTES:]) != header.code_hash:
+        raise TenxError(f"{name} is corrupt: the bytes after its header do not match their checksum")
+    return header
+
+
+def decompress_bytes(
+    model: CodecModel | LoadedModel | str | Path, blob: bytes, *, name: str = "input"
+) -> bytes:
+    """The original bytes of a `.tenx` blob, decoded with the model that compressed it (a run or checkpoint
+    directory, or one loaded already); a TenxError for another model or tokenizer, or a damaged blob."""
+    header = read_header(blob, name)
+    codec = load_codec(model, device=header.device)
+    if codec.device.type != header.device:
+        raise TenxError(f"{name} was compressed on {header.device}; load the model there to decompress it")
+    model_hash, tokenizer_hash = _hex_digest(codec.model_hash), _hex_digest(codec.tokenizer_hash)
+    if (header.model_hash, header.tokenizer_hash) != (model_hash, tokenizer_hash):
+        raise TenxError(
+            f"{name} was compressed with another model: checkpoint manifest xxhash {header.model_hash.hex()} "
+            f"(step {header.step}) and tokenizer xxhash {header.tokenizer_hash.hex()}; {codec.checkpoint} has "
+            f"{model_hash.hex()} (step {codec.step}) and tokenizer {tokenizer_hash.hex()}. "
+            "Decompress with the checkpoint that compressed it (its directory: RUN_DIR/checkpoints/"
+            f"step_{header.step:08d})"
+        )
+    if header.stored:
+        data: bytes | None = blob[HEADER_BYTES:]
+    else:
+        if header.chunk > codec.model.cfg.seq_len or header.group > MAX_GROUP:
+            raise TenxError(f"{name} is corrupt: chunks of {header.chunk} tokens in groups of {header.group}")
+        tokens = np.zeros(header.tokens, dtype=np.int64)
+        words = np.frombuffer(blob, dtype="<u4", offset=HEADER_BYTES).astype(np.uint32)
+        decoder = constriction.stream.queue.RangeDecoder(words)
+        try:
+            with _fixed_numerics(header.threads):
+                _code(codec, tokens, header.chunk, header.group, decoder, decoding=True)
+        except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
+            raise TenxError(f"{name} cannot be decoded with this model ({e})") from None
+        data = _spell(codec, tokens)
+    if data is None or len(data) != header.length or _digest(data) != header.data_hash:
+        raise TenxError(
+            f"{name}: the decoded bytes do not match the original's xxhash, so nothing was written; the "
+            "probabilities differed from compression's (another CPU type or torch build?)"
+        )
+    return data
+
+
+def compress_file(
+    run: CodecModel | LoadedModel | str | Path,
+    src: str | Path,
+    dst: str | Path,
+    force: bool = False,
+    *,
+    threads: int = 1,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Compress file `src` into `dst` (atomically; an existing `dst` only with `force`) and report the
+    figures: bits per byte of the whole `.tenx` file, coding speed in KB/s (1 KB = 1000 bytes of input)."""
+    data = _read(src, dst, force)
+    started = time.perf_counter()
+    codec = load_codec(run, device)
+    loaded = time.perf_counter()
+    blob = compress_bytes(codec, data, threads=threads)
+    coded = time.perf_counter()
+    atomic_write_bytes(dst, blob)
+    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded)
+
+
+def decompress_file(
+    run: CodecModel | LoadedModel | str | Path, src: str | Path, dst: str | Path, force: bool = False
+) -> dict[str, Any]:
+    """Decompress `.tenx` file `src` into `dst` (written atomically after its xxhash matched; an existing
+    `dst` only with `force`) and report the figures, as compress_file does."""
+    blob = _read(src, dst, force)
+    started = time.perf_counter()
+    codec = load_codec(run, read_header(blob, str(src)).device)
+    loaded = time.perf_counter()
+    data = decompress_bytes(codec, blob, name=str(src))
+    coded = time.perf_counter()
+    atomic_write_bytes(dst, data)
+    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded)
+
+
+def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
+    if Path(dst).exists() and not force:
+        raise TenxError(f"{dst} exists; pass --force to overwrite it")
+    try:
+        return Path(src).read_bytes()
+    except OSError as e:
+        raise TenxError(f"cannot read {src}: {e.strerror or e}") from None
+
+
+def _report(
+    src: str | Path, dst: str | Path, raw: int, packed: int, load_s: float, code_s: float
+) -> dict[str, Any]:
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "bytes": raw,
+        "compressed_bytes": packed,
+        "bits_per_byte": 8 * packed / raw if raw else None,
+        "kb_per_s": raw / 1000 / code_s if code_s > 0 else None,
+        "seconds": code_s,
+        "load_seconds": load_s,
+    }

@@ -1,0 +1,84 @@
+"""The compression subcommands (`tenx compress`, `tenx decompress`): their flags and what they run
+(registered by tenx/cli.py, as tenx/triage/cli.py registers its own)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tenx.utils.cli import subcommand
+
+SUFFIX = ".tenx"
+
+
+def cmd_compress(args: argparse.Namespace) -> None:
+    """Compress a file with a run's model; print bits per byte and speed."""
+    from tenx.eval.codec import compress_file
+
+    out = args.out or args.file + SUFFIX
+    report = compress_file(args.run_dir, args.file, out, args.force, threads=args.threads, device=args.device)
+    _print(report, "compressed", args.json)
+
+
+def cmd_decompress(args: argparse.Namespace) -> None:
+    """Decompress a `.tenx` file with the run's model it was compressed with."""
+    from tenx.errors import TenxError
+    from tenx.eval.codec import decompress_file
+
+    out = args.out
+    if out is None:
+        if not args.file.endswith(SUFFIX) or args.file == SUFFIX:
+            raise TenxError(f"{args.file} does not end in {SUFFIX}: name the output with -o FILE")
+        out = args.file[: -len(SUFFIX)]
+    _print(decompress_file(args.run_dir, args.file, out, args.force), "decompressed", args.json)
+
+
+def _print(report: dict[str, Any], verb: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    bpb = "n/a (empty input)" if report["bits_per_byte"] is None else f"{report['bits_per_byte']:.3f}"
+    speed = "n/a" if report["kb_per_s"] is None else f"{report['kb_per_s']:.1f}"
+    print(
+        f"{verb} {report['src']} -> {report['dst']}: {report['bytes']:,} bytes <-> "
+        f"{report['compressed_bytes']:,} compressed, {bpb} bits per byte, {speed} KB/s "
+        f"({report['seconds']:.2f} s coding, {report['load_seconds']:.2f} s loading the model)"
+    )
+
+
+def _common(p: argparse.ArgumentParser, file_help: str) -> None:
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run directory (newest verified checkpoint) or checkpoint"
+    )
+    p.add_argument("file", metavar="FILE", help=file_help)
+    p.add_argument("--force", action="store_true", help="overwrite the output if it exists")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _compress_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "the file to compress (any bytes)")
+    p.add_argument("-o", "--out", help=f"the compressed file (default FILE{SUFFIX})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while coding, recorded in the file: decompression uses as many (default 1, "
+        "the most portable)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda; decompression runs on the same kind"
+    )
+
+
+def _decompress_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, f"the {SUFFIX} file to decompress")
+    p.add_argument("-o", "--out", help=f"the decompressed file (default FILE without {SUFFIX})")
+
+
+def add_compress_parsers(subparsers: Any) -> None:
+    """Register `tenx compress` and `tenx decompress` on the CLI's subparsers."""
+    about = "compress a file losslessly with a run's model (range coding of its next-token probabilities)"
+    subcommand(subparsers, "compress", about, cmd_compress, _compress_arguments)
+    about = "decompress a .tenx file with the run's model that compressed it (refuses any other model)"
+    subcommand(subparsers, "decompress", about, cmd_decompress, _decompress_arguments)

@@ -1,0 +1,224 @@
+"""`tenx compress` / `tenx decompress`: exact round trips of any bytes, and refusals of the wrong model or a
+damaged file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tenx.cli import main
+from tenx.data.loader import TokenStream
+from tenx.data.prepare import PrepareConfig, prepare
+from tenx.errors import TenxError
+from tenx.eval import codec as codec_mod
+from tenx.eval.codec import (
+    HEADER_BYTES,
+    _Stepper,
+    _to_ids,
+    compress_bytes,
+    compress_file,
+    decompress_bytes,
+    decompress_file,
+    load_codec,
+    read_header,
+)
+from tenx.model.config import ModelConfig
+from tenx.model.transformer import Transformer
+from tenx.train.run import train
+
+FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
+RNG = np.random.default_rng(0)
+ADVERSARIAL = {
+    "empty": b"",
+    "one byte": b"\xff",
+    "all 256 byte values": bytes(range(256)),
+    "random binary": RNG.bytes(2000),
+    "invalid utf-8": b"caf\xc3 \xff\xfe ok \xed\xa0\x80 \xc3\xa9 <|endoftext|> \x80",
+    "long run": b"z" * 5000,
+    "text with NUL": "d\u00e9j\u00e0 vu\x00\x00 \u20ac\ttab\r\n".encode() * 20,
+}
+
+
+def _train(tiny_config, data, tmp_path_factory, *overrides: str):
+    run = tmp_path_factory.mktemp("codec-run") / "run"
+    train(tiny_config(data, *FAST, *overrides), run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def run(tiny_config, tiny_data, tmp_path_factory):
+    """A tiny byte-level model trained a few steps."""
+    return _train(tiny_config, tiny_data, tmp_path_factory, "train.steps=20")
+
+
+@pytest.fixture(scope="module")
+def codec(run):
+    return load_codec(run)
+
+
+@pytest.fixture(scope="module")
+def bpe_codec(tiny_config, corpus_dir, tmp_path_factory):
+    """A tiny model over a byte-level BPE of 300 tokens (text and raw bytes take different paths)."""
+    data = tmp_path_factory.mktemp("data") / "bpe"
+    prepare(
+        PrepareConfig(source=str(corpus_dir), out=str(data), tokenizer="bpe", vocab_size=300), progress=False
+    )
+    return load_codec(_train(tiny_config, data, tmp_path_factory, "train.steps=2"))
+
+
+def _heldout_documents(data_dir) -> list[bytes]:
+    stream = TokenStream(data_dir, "heldout", verify=True)
+    eot = int(stream.manifest["tokenizer"]["eot_id"])
+    tokens = stream.read(0, len(stream))
+    ends = np.flatnonzero(tokens == eot)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokens[s:e].astype(np.uint8).tobytes() for s, e in zip(starts, ends)]
+
+
+def test_every_heldout_document_round_trips_and_compresses(codec, tiny_data):
+    documents = _heldout_documents(tiny_data)
+    assert documents
+    packed = 0
+    for doc in documents:
+        blob = compress_bytes(codec, doc)
+        assert decompress_bytes(codec, blob) == doc
+        assert not read_header(blob).stored
+        packed += len(blob)
+    assert 8 * packed / sum(map(len, documents)) < 6.0  # a model trained 20 steps, vs 8 for raw bytes
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL)
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_adversarial_inputs_round_trip(name, which, codec, bpe_codec):
+    model = codec if which == "bytes" else bpe_codec
+    data = ADVERSARIAL[name]
+    blob = compress_bytes(model, data)
+    assert decompress_bytes(model, blob) == data
+    assert len(blob) <= HEADER_BYTES + len(data)  # stored verbatim when the model's code is longer
+
+
+def test_bpe_codes_text_as_text_and_other_bytes_as_byte_tokens(bpe_codec):
+    text = b"def compress(data):\n    return data\n"
+    ids = _to_ids(bpe_codec, text)
+    assert len(ids) < len(text)  # merged tokens, not one per byte
+    raw = _to_ids(bpe_codec, b"\xff\xfe")
+    assert raw.tolist() == bpe_codec.byte_ids[[0xFF, 0xFE]].tolist()
+    assert bpe_codec.tokenizer.eot_id not in _to_ids(bpe_codec, b"<|endoftext|>").tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"family": "llama", "n_kv_heads": 1}, {"family": "gpt2"}], ids=["rope-gqa", "learned"]
+)
+def test_cached_steps_compute_the_models_logits(overrides):
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=32, **overrides).resolved(100)
+    model = Transformer(cfg).eval()
+    tokens_BT = torch.randint(0, 100, (3, cfg.seq_len))
+    with torch.inference_mode():
+        step = _Stepper(model, 3)
+        cached = torch.stack([step(tokens_BT[:, t], t) for t in range(cfg.seq_len)], dim=1)
+        torch.testing.assert_close(cached, model(tokens_BT), atol=1e-4, rtol=1e-4)
+
+
+def test_round_trip_across_torch_thread_counts(codec, tiny_data):
+    data = b"".join(_heldout_documents(tiny_data))[:400]  # small: 2 threads crawl on a busy 2-core machine
+    before = torch.get_num_threads()
+    try:
+        for coding_threads, encode_outer, decode_outer in [(1, 1, 2), (2, 2, 1)]:
+            torch.set_num_threads(encode_outer)
+            blob = compress_bytes(codec, data, threads=coding_threads)
+            assert torch.get_num_threads() == encode_outer  # restored after coding
+            assert read_header(blob).threads == coding_threads
+            torch.set_num_threads(decode_outer)
+            assert decompress_bytes(codec, blob) == data
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def blob(codec, tiny_data):
+    return compress_bytes(codec, _heldout_documents(tiny_data)[0][:2000])
+
+
+def test_another_model_is_refused_naming_both(blob, codec, tiny_config, tiny_data, tmp_path_factory):
+    other = load_codec(_train(tiny_config, tiny_data, tmp_path_factory, "train.steps=2", "train.seed=1"))
+    with pytest.raises(TenxError, match="another model") as caught:
+        decompress_bytes(other, blob)
+    assert codec.model_hash in str(caught.value) and other.model_hash in str(caught.value)
+
+
+def test_truncated_or_corrupt_files_are_refused(blob, codec):
+    for cut in (0, 3, 10, HEADER_BYTES - 1, HEADER_BYTES, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(TenxError, match="truncated|not a tenx"):
+            decompress_bytes(codec, blob[:cut])
+    with pytest.raises(TenxError, match="longer than"):
+        decompress_bytes(codec, blob + b"\0")
+    for at in (0, 4, 20, 60, HEADER_BYTES - 1, HEADER_BYTES, len(blob) - 1):
+        damaged = bytearray(blob)
+        damaged[at] ^= 0x10
+        with pytest.raises(TenxError, match="corrupt|not a tenx|version"):
+            decompress_bytes(codec, bytes(damaged))
+
+
+def test_output_is_verified_before_it_is_written(codec, tmp_path, monkeypatch):
+    src, packed, out = tmp_path / "a.txt", tmp_path / "a.tenx", tmp_path / "out.txt"
+    src.write_bytes(b"import json\n" * 50)
+    compress_file(codec, src, packed)
+    real = codec_mod._frequencies
+
+    def skewed(logits, vocab, eot):  # what another CPU's rounding could do to the decoder's side
+        freqs = real(logits, vocab, eot)
+        freqs[:, 0] += 1e6
+        return freqs
+
+    monkeypatch.setattr(codec_mod, "_frequencies", skewed)
+    with pytest.raises(TenxError, match="do not match the original's xxhash"):
+        decompress_file(codec, packed, out)
+    assert not out.exists()
+
+
+def test_outputs_are_not_overwritten_without_force(codec, tmp_path):
+    src, packed, out = tmp_path / "a.bin", tmp_path / "a.tenx", tmp_path / "out.bin"
+    src.write_bytes(b"\x00\x01 hello")
+    for path in (packed, out):
+        path.write_bytes(b"keep me")
+    with pytest.raises(TenxError, match="--force"):
+        compress_file(codec, src, packed)
+    assert packed.read_bytes() == b"keep me"
+    report = compress_file(codec, src, packed, force=True)
+    assert report["bytes"] == 8 and report["compressed_bytes"] == packed.stat().st_size
+    with pytest.raises(TenxError, match="--force"):
+        decompress_file(codec, packed, out)
+    assert out.read_bytes() == b"keep me"
+    decompress_file(codec, packed, out, force=True)
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_cli_round_trip_and_refusals(run, tmp_path, capsys):
+    src = tmp_path / "doc.py"
+    src.write_bytes(b"import email\nprint(email.message_from_string('x'))\n" * 20)
+    assert main(["compress", str(run), str(src)]) == 0
+    assert "bits per byte" in capsys.readouterr().out and (tmp_path / "doc.py.tenx").exists()
+    assert main(["compress", str(run), str(src)]) == 2
+    assert "--force" in capsys.readouterr().err
+    src.rename(tmp_path / "original.py")
+    assert main(["decompress", str(run), str(tmp_path / "doc.py.tenx")]) == 0
+    assert src.read_bytes() == (tmp_path / "original.py").read_bytes()
+    damaged = bytearray((tmp_path / "doc.py.tenx").read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / "bad.tenx").write_bytes(damaged)
+    assert main(["decompress", str(run), str(tmp_path / "bad.tenx"), "-o", str(tmp_path / "x")]) == 2
+    assert "corrupt" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_fuzz_random_bytes_round_trip(bpe_codec):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=12, deadline=None, database=None)
+    @hypothesis.given(st.binary(max_size=200) | st.text(max_size=80).map(str.encode))
+    def round_trip(data: bytes) -> None:
+        assert decompress_bytes(bpe_codec, compress_bytes(bpe_codec, data)) == data
+
+    round_trip()
