@@ -218,7 +218,7 @@ PREPARE_FLAGS = (
     "shard_tokens",
     "max_documents",
 )
-PREPARE_FLAGS += ("near_dup_threshold", "near_dup_shingle", "ngram_index")
+PREPARE_FLAGS += ("near_dup_threshold", "near_dup_shingle", "ngram_index", "contamination_threshold")
 """The PrepareConfig fields `tenx data prepare` takes as flags."""
 LADDER_FLAGS = (
     "grid",

@@ -89,7 +89,8 @@ def test_prepare_is_deterministic(tmp_path: Path, bpe_prepared: tuple[PrepareCon
     first = {p.name: p.read_bytes() for p in Path(cfg.out).iterdir()}
     second = {p.name: p.read_bytes() for p in Path(again.out).iterdir()}
     assert sorted(first) == sorted(
-        ["manifest.json", "tokenizer.json"] + [f"{s}_00000.{ext}" for s in SPLITS for ext in ("bin", "idx")]
+        ["manifest.json", "tokenizer.json", "ngrams-13.json", "ngrams-13.npy"]
+        + [f"{s}_00000.{ext}" for s in SPLITS for ext in ("bin", "idx")]
     )
     assert first == second
 
@@ -384,6 +385,8 @@ def test_multiple_shards_cut_at_document_boundaries(tmp_path: Path) -> None:
     prepare(replace(cfg, shard_tokens=1 << 20), progress=False)
     assert sorted(p.name for p in Path(cfg.out).iterdir()) == [
         "manifest.json",
+        "ngrams-13.json",
+        "ngrams-13.npy",
         "train_00000.bin",
         "train_00000.idx",
     ]
@@ -467,6 +470,8 @@ def test_format_summary(bpe_prepared: tuple[PrepareConfig, dict[str, Any]]) -> N
         ({"patterns": []}, "patterns must be null or a non-empty list"),
         ({"shard_tokens": 0}, "shard_tokens must be a positive integer"),
         ({"max_documents": 0}, "max_documents must be null or a positive integer"),
+        ({"contamination_threshold": "0.5"}, "contamination_threshold must be a number"),
+        ({"contamination_threshold": 1.5}, "contamination_threshold"),
         ({"source": ""}, "source must be a non-empty string"),
     ],
 )

@@ -1,4 +1,5 @@
-"""The prepare pipeline: read a source, clean, deduplicate, split by document, tokenize, write shards + manifest."""
+"""The prepare pipeline: read a source, clean, deduplicate, split by document, tokenize, decontaminate, write
+shards + manifest + the train split's n-gram index."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from tenx.config import field
+from tenx.config import check_bounds, field
+from tenx.data.dedup import near_duplicate_splits
 from tenx.data.manifest import (
     FORMAT,
     INDEX_DTYPE,
@@ -24,6 +26,14 @@ from tenx.data.manifest import (
     TOKEN_DTYPES,
     read_manifest,
     verify_split,
+)
+from tenx.data.ngrams import (
+    DEFAULT_CONTAMINATION_THRESHOLD,
+    INDEX_FILE,
+    build_index,
+    decontaminate,
+    load_index,
+    remove_stale_indexes,
 )
 from tenx.data.sources import effective_patterns, iter_documents, source_provenance
 from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
@@ -70,6 +80,27 @@ class PrepareConfig:
         1 << 26, help="maximum tokens per shard file (shards are cut at a document boundary)"
     )
     max_documents: int | None = field(None, help="stop reading the source after this many documents")
+    near_dup_threshold: float = field(
+        0.8,
+        ge=0,
+        le=1,
+        help="near-duplicates (word-shingle Jaccard >= this, MinHash estimate) are kept but put in one "
+        "split, their smallest id's; 0 turns the check off",
+    )
+    near_dup_shingle: int = field(5, ge=1, le=64, help="words per shingle of the near-duplicate check")
+    ngram_index: int = field(
+        13,
+        ge=0,
+        le=1024,
+        help="write ngrams-N.npy, the hashed N-token n-grams of the train split (decontamination); 0: none",
+    )
+    contamination_threshold: float = field(
+        DEFAULT_CONTAMINATION_THRESHOLD,
+        ge=0,
+        le=1,
+        help="val and held-out documents sharing more than this fraction of their ngram_index-grams with "
+        "the train split are moved into it, until none is left; 1 (or ngram_index 0) turns this off",
+    )
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and what it accepts."""
@@ -108,6 +139,17 @@ class PrepareConfig:
             raise ConfigError(f"shard_tokens must be a positive integer, got {self.shard_tokens!r}")
         if self.max_documents is not None and (not _is_int(self.max_documents) or self.max_documents < 1):
             raise ConfigError(f"max_documents must be null or a positive integer, got {self.max_documents!r}")
+        for name, kind in (
+            ("near_dup_threshold", "a number"),
+            ("near_dup_shingle", "an integer"),
+            ("contamination_threshold", "a number"),
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) and not (kind == "a number" and isinstance(value, float)):
+                raise ConfigError(f"{name} must be {kind}, got {value!r}")
+        if not _is_int(self.ngram_index):
+            raise ConfigError(f"ngram_index must be an integer (0: no index), got {self.ngram_index!r}")
+        check_bounds(self)
 
 
 def _is_int(value: Any) -> bool:
@@ -131,6 +173,8 @@ class _Document:
     id: str
     text: str
     num_bytes: int
+    tokens: np.ndarray | None = None
+    """Token ids ending with the end-of-document id, once tokenized."""
 
 
 def assign_split(doc_id: str, seed: int, val_ratio: float, heldout_ratio: float) -> str:
@@ -185,9 +229,16 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
             f"{cfg.source!r} gave no usable documents ({stats.documents_seen} read, "
             f"{stats.empty_skipped} empty, {stats.binary_skipped} binary); check the source and its patterns"
         )
+    splits_of, dedup = near_duplicate_splits(
+        [(d.id, d.text) for d in documents],
+        lambda doc_id: assign_split(doc_id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio),
+        cfg.near_dup_threshold,
+        cfg.near_dup_shingle,
+        progress,
+    )
     by_split: dict[str, list[_Document]] = {name: [] for name in SPLITS}
-    for doc in documents:
-        by_split[assign_split(doc.id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio)].append(doc)
+    for doc, split in zip(documents, splits_of):
+        by_split[split].append(doc)
     if not by_split["train"]:
         raise DataError(
             f"no documents of {cfg.source!r} landed in the train split ({stats.documents_kept} kept after cleaning); "
@@ -209,12 +260,11 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     with tqdm(
         total=total_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress, file=sys.stderr
     ) as bar:
-        splits = {
-            name: _write_split(
-                out, name, by_split[name], tokenizer, TOKEN_DTYPES[dtype], cfg.shard_tokens, bar
-            )
-            for name in SPLITS
-        }
+        for name in SPLITS:
+            _tokenize(by_split[name], tokenizer, TOKEN_DTYPES[dtype], bar)
+    if cfg.ngram_index:
+        dedup.moved_for_contamination = _move_contaminated(cfg, by_split, tokenizer.eot_id)
+    splits = {name: _write_split(out, name, by_split[name], cfg.shard_tokens) for name in SPLITS}
     manifest = {
         "format": FORMAT,
         "source": source_entry,
@@ -223,10 +273,14 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
         "split": _split_settings(cfg),
         "prepare": _prepare_settings(cfg),
         "stats": asdict(stats),
+        "dedup": asdict(dedup),
         "splits": splits,
     }
     atomic_write_json(out / MANIFEST_NAME, manifest)
     _remove_stale_files(out, manifest, previous)
+    remove_stale_indexes(out)
+    if cfg.ngram_index:
+        build_index(out, cfg.ngram_index)
     return manifest
 
 
@@ -245,6 +299,8 @@ def is_prepared(cfg: PrepareConfig) -> bool:
         load_tokenizer(cfg.out, manifest["tokenizer"])
         for split in SPLITS:
             verify_split(cfg.out, manifest, split)
+        if cfg.ngram_index:
+            load_index(cfg.out, cfg.ngram_index)
     except DataError:
         return False
     return True
@@ -267,6 +323,21 @@ def format_summary(manifest: dict[str, Any], data_dir: str | Path | None = None)
         f"{stats['empty_skipped']:,} empty, {stats['binary_skipped']:,} binary, "
         f"{stats['duplicates_removed']:,} duplicates; {stats['decoded_with_replacement']:,} decoded with U+FFFD"
     )
+    if "dedup" in manifest:
+        near = manifest["dedup"]
+        lines.append(
+            f"dedup: {stats['duplicates_removed']:,} exact duplicates removed; "
+            f"{near['near_duplicate_groups']:,} near-duplicate groups ({near['near_duplicate_documents']:,} "
+            f"documents) kept, each in one split; {near['moved_to_group_split']:,} moved to the group's split"
+        )
+        moved = near.get("moved_for_contamination")
+        if moved is not None:
+            lines.append(
+                f"decontamination: {moved['count']:,} moved into train ({moved['from_heldout']:,} held-out, "
+                f"{moved['from_val']:,} val) for sharing > {moved['threshold']:g} of their {moved['n']}-grams "
+                f"with it; {moved['rounds']} passes"
+                + ("" if moved["converged"] else ", stopped before none was left above the threshold")
+            )
     tok = manifest["tokenizer"]
     lines.append(
         f"tokenizer: {tok['kind']}, vocab_size {tok['vocab_size']:,}, eot_id {tok['eot_id']}, "
@@ -300,6 +371,10 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
         "shard_tokens": cfg.shard_tokens,
         "max_documents": cfg.max_documents,
+        "near_dup_threshold": cfg.near_dup_threshold,
+        "near_dup_shingle": cfg.near_dup_shingle if cfg.near_dup_threshold else None,
+        "ngram_index": cfg.ngram_index,
+        "contamination_threshold": cfg.contamination_threshold if cfg.ngram_index else None,
     }
 
 
@@ -360,8 +435,8 @@ def _batches(docs: list[_Document]) -> Iterator[list[_Document]]:
 class _ShardWriter:
     """Accumulates document token arrays and writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
-        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+    def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
         self.shards: list[dict[str, Any]] = []
         self._pieces: list[np.ndarray] = []
         self._starts: list[int] = []
@@ -395,23 +470,62 @@ class _ShardWriter:
         self._pieces, self._starts, self._tokens = [], [], 0
 
 
-def _write_split(
-    out: Path,
-    split: str,
-    docs: list[_Document],
-    tokenizer: Tokenizer,
-    dtype: np.dtype,
-    shard_tokens: int,
-    bar: tqdm,
-) -> dict[str, Any]:
-    writer = _ShardWriter(out, split, dtype, shard_tokens)
+def _tokenize(docs: list[_Document], tokenizer: Tokenizer, dtype: np.dtype, bar: tqdm) -> None:
     for batch in _batches(docs):
-        for ids in tokenizer.encode_batch([d.text for d in batch]):
-            tokens = np.empty(len(ids) + 1, dtype=dtype)
-            tokens[:-1] = ids
-            tokens[-1] = tokenizer.eot_id
-            writer.add(tokens)
+        for doc, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch])):
+            doc.tokens = np.empty(len(ids) + 1, dtype=dtype)
+            doc.tokens[:-1] = ids
+            doc.tokens[-1] = tokenizer.eot_id
         bar.update(sum(d.num_bytes for d in batch))
+
+
+def _move_contaminated(
+    cfg: PrepareConfig, by_split: dict[str, list[_Document]], eot_id: int
+) -> dict[str, Any]:
+    """Move the val and held-out documents that `decontaminate` names into train; the manifest's record.
+
+    The tokenizer, trained on the train split before the move, is kept: retraining it would change the
+    token ids and so the very n-grams just measured, and the moved documents, unseen by it, are encoded
+    like any other text it did not see; they only add training data."""
+    held = [doc for name in ("val", "heldout") for doc in by_split[name]]
+    result = decontaminate(
+        [_tokens(d) for d in by_split["train"]],
+        [_tokens(d) for d in held],
+        cfg.ngram_index,
+        eot_id,
+        cfg.contamination_threshold,
+    )
+    moved = sorted(held[i].id for i in result.moved)
+    moving = set(moved)
+    record: dict[str, Any] = {
+        "n": cfg.ngram_index,
+        "threshold": cfg.contamination_threshold,
+        "count": len(moved),
+    }
+    for name in ("val", "heldout"):
+        record[f"from_{name}"] = sum(d.id in moving for d in by_split[name])
+        by_split["train"] += [d for d in by_split[name] if d.id in moving]
+        by_split[name] = [d for d in by_split[name] if d.id not in moving]
+    by_split["train"].sort(key=lambda d: d.id)
+    if not result.converged:
+        print(
+            f"warning: decontamination stopped after {result.rounds} passes while still moving documents; "
+            f"val or held-out may keep some above {cfg.contamination_threshold:g}",
+            file=sys.stderr,
+        )
+    return {**record, "documents": moved[:50], "rounds": result.rounds, "converged": result.converged}
+
+
+def _tokens(doc: _Document) -> np.ndarray:
+    if doc.tokens is None:
+        raise AssertionError(f"document {doc.id!r} was not tokenized")
+    return doc.tokens
+
+
+def _write_split(out: Path, split: str, docs: list[_Document], shard_tokens: int) -> dict[str, Any]:
+    writer = _ShardWriter(out, split, shard_tokens)
+    for doc in docs:
+        writer.add(_tokens(doc))
     writer.flush()
     return {
         "num_documents": len(docs),
@@ -455,6 +569,7 @@ def _check_out_dir(out: Path) -> None:
             p.name == MANIFEST_NAME
             or p.name == BPE_FILE
             or _SHARD_NAME.match(p.name)
+            or INDEX_FILE.match(p.name)
             or p.name.startswith(".")
         )
     )
