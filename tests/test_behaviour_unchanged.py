@@ -55,7 +55,17 @@ def tiny_losses(tmp: Path) -> list[float]:
     corpus, data = tmp / "corpus", tmp / "data"
     corpus.mkdir(parents=True)
     _corpus(corpus)
-    prepare(PrepareConfig(source=str(corpus), out=str(data), tokenizer="bytes"), progress=False)
+    # the split as recorded: before near-duplicate grouping and held-out decontamination moved documents
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=str(data),
+            tokenizer="bytes",
+            near_dup_threshold=0,
+            contamination_threshold=1,
+        ),
+        progress=False,
+    )
     cfg = load_run_config(
         CONFIG_DIR / "tiny.toml",
         [

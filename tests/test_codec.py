@@ -161,6 +161,11 @@ def test_truncated_or_corrupt_files_are_refused(blob, codec):
             decompress_bytes(codec, bytes(damaged))
 
 
+def test_a_claimed_original_above_the_limit_is_refused(blob, codec):
+    with pytest.raises(TenxError, match="above the limit of 10; pass --max-bytes"):
+        decompress_bytes(codec, blob, max_bytes=10)
+
+
 def test_output_is_verified_before_it_is_written(codec, tmp_path, monkeypatch):
     src, packed, out = tmp_path / "a.txt", tmp_path / "a.tenx", tmp_path / "out.txt"
     src.write_bytes(b"import json\n" * 50)

@@ -28,7 +28,13 @@ def test_checkpoint_from_before_the_restructuring_resumes_to_the_same_losses(tmp
     (tmp_path / "corpus").mkdir()
     _corpus(tmp_path / "corpus")
     prepare(
-        PrepareConfig(source=str(tmp_path / "corpus"), out=str(tmp_path / "data"), tokenizer="bytes"),
+        PrepareConfig(  # the data the old checkpoint was trained on: no near-duplicate or contamination moves
+            source=str(tmp_path / "corpus"),
+            out=str(tmp_path / "data"),
+            tokenizer="bytes",
+            near_dup_threshold=0,
+            contamination_threshold=1,
+        ),
         progress=False,
     )
     cfg = load_run_config(

@@ -408,12 +408,31 @@ def read_header(blob: bytes, name: str = "input") -> Header:
     return header
 
 
+MAX_BYTES = 1 << 30
+"""The largest original a `.tenx` file may claim unless the caller allows more (a forged header could
+otherwise make decompression allocate without bound)."""
+
+MAX_THREADS = 256
+
+
 def decompress_bytes(
-    model: CodecModel | LoadedModel | str | Path, blob: bytes, *, name: str = "input"
+    model: CodecModel | LoadedModel | str | Path,
+    blob: bytes,
+    *,
+    name: str = "input",
+    max_bytes: int = MAX_BYTES,
 ) -> bytes:
     """The original bytes of a `.tenx` blob, decoded with the model that compressed it (a run or checkpoint
-    directory, or one loaded already); a TenxError for another model or tokenizer, or a damaged blob."""
+    directory, or one loaded already); a TenxError for another model or tokenizer, a damaged blob, or one
+    that claims an original above `max_bytes` or more threads than MAX_THREADS."""
     header = read_header(blob, name)
+    if header.length > max_bytes:
+        raise TenxError(
+            f"{name} says its original is {header.length:,} bytes, above the limit of {max_bytes:,}; "
+            "pass --max-bytes to allow it if you trust the file"
+        )
+    if header.threads > MAX_THREADS:
+        raise TenxError(f"{name} is corrupt: it asks for {header.threads} threads (at most {MAX_THREADS})")
     codec = load_codec(model, device=header.device)
     if codec.device.type != header.device:
         raise TenxError(f"{name} was compressed on {header.device}; load the model there to decompress it")
@@ -470,7 +489,11 @@ def compress_file(
 
 
 def decompress_file(
-    run: CodecModel | LoadedModel | str | Path, src: str | Path, dst: str | Path, force: bool = False
+    run: CodecModel | LoadedModel | str | Path,
+    src: str | Path,
+    dst: str | Path,
+    force: bool = False,
+    max_bytes: int = MAX_BYTES,
 ) -> dict[str, Any]:
     """Decompress `.tenx` file `src` into `dst` (written atomically after its xxhash matched; an existing
     `dst` only with `force`) and report the figures, as compress_file does."""
@@ -478,7 +501,7 @@ def decompress_file(
     started = time.perf_counter()
     codec = load_codec(run, read_header(blob, str(src)).device)
     loaded = time.perf_counter()
-    data = decompress_bytes(codec, blob, name=str(src))
+    data = decompress_bytes(codec, blob, name=str(src), max_bytes=max_bytes)
     coded = time.perf_counter()
     atomic_write_bytes(dst, data)
     return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded)

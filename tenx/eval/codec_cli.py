@@ -31,7 +31,9 @@ def cmd_decompress(args: argparse.Namespace) -> None:
         if not args.file.endswith(SUFFIX) or args.file == SUFFIX:
             raise TenxError(f"{args.file} does not end in {SUFFIX}: name the output with -o FILE")
         out = args.file[: -len(SUFFIX)]
-    _print(decompress_file(args.run_dir, args.file, out, args.force), "decompressed", args.json)
+    _print(
+        decompress_file(args.run_dir, args.file, out, args.force, args.max_bytes), "decompressed", args.json
+    )
 
 
 def _print(report: dict[str, Any], verb: str, as_json: bool) -> None:
@@ -74,6 +76,13 @@ def _compress_arguments(p: argparse.ArgumentParser) -> None:
 def _decompress_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, f"the {SUFFIX} file to decompress")
     p.add_argument("-o", "--out", help=f"the decompressed file (default FILE without {SUFFIX})")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=1 << 30,
+        help="refuse a file that claims a larger original (default 1 GiB: a forged header cannot make "
+        "decompression allocate without bound)",
+    )
 
 
 def add_compress_parsers(subparsers: Any) -> None:

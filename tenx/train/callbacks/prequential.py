@@ -41,8 +41,8 @@ class Prequential(Callback):
         self.tokens = 0
         self.bytes = 0
         self.steps = 0
-        self.prefix: list[int] = []
-        """Windows of the first `xz_bytes` bytes of the stream, in the order they were read."""
+        self.prefix: list[list[float]] = []
+        """[nats, bytes, window ids...] of each step of the first `xz_bytes` bytes, in the order read."""
         self.prefix_nats = 0.0
         self.prefix_bytes = 0
         self._lengths: np.ndarray | None = None
@@ -75,7 +75,7 @@ class Prequential(Callback):
         self.bytes += step_bytes
         self.steps += 1
         if self.prefix_bytes < self.xz_bytes:
-            self.prefix += windows
+            self.prefix.append([nats, step_bytes, *windows])
             self.prefix_nats += nats
             self.prefix_bytes += step_bytes
         if self.bytes:
@@ -93,15 +93,24 @@ class Prequential(Callback):
         }
         if with_xz and self.prefix_bytes:
             t0 = time.perf_counter()
+            stream, seq_len = trainer.train_stream, trainer.model_cfg.seq_len
+            # a step whose data can no longer be read (a shard damaged since) leaves both sides
+            kept = [
+                s for s in self.prefix if all(stream.window_ok(int(w) * seq_len, seq_len + 1) for w in s[2:])
+            ]
             data = b"".join(
-                b"".join(self._pieces[t] for t in self._targets(trainer, w).tolist()) for w in self.prefix
+                b"".join(self._pieces[t] for t in self._targets(trainer, int(w)).tolist())
+                for step in kept
+                for w in step[2:]
             )
-            out["same_bytes"] = {
-                "bytes": len(data),
-                "model_bits_per_byte": self.prefix_nats / LN2 / self.prefix_bytes,
-                "xz_bits_per_byte": xz_bits_per_byte(data),
-                "xz_seconds": round(time.perf_counter() - t0, 2),
-            }
+            if data:
+                out["same_bytes"] = {
+                    "bytes": len(data),
+                    "model_bits_per_byte": sum(s[0] for s in kept) / LN2 / sum(s[1] for s in kept),
+                    "xz_bits_per_byte": xz_bits_per_byte(data),
+                    "xz_seconds": round(time.perf_counter() - t0, 2),
+                    "steps_unreadable_now": len(self.prefix) - len(kept),
+                }
         return out
 
     def on_train_end(self, trainer: Any) -> None:
@@ -124,6 +133,6 @@ class Prequential(Callback):
         self.tokens = int(state.get("tokens", 0))
         self.bytes = int(state.get("bytes", 0))
         self.steps = int(state.get("steps", 0))
-        self.prefix = [int(w) for w in state.get("prefix", [])]
+        self.prefix = [list(step) for step in state.get("prefix", []) if isinstance(step, list)]
         self.prefix_nats = float(state.get("prefix_nats", 0.0))
         self.prefix_bytes = int(state.get("prefix_bytes", 0))
