@@ -1,0 +1,189 @@
+"""`tenx plan --measure`: predicted against measured on this machine, and the factors fitted from it.
+
+A measurement trains the config for a few steps in a fresh process (under torchrun for several ranks, one
+thread each) and reports the median step time after two warm-up steps and the peak resident memory the
+training added (the process's peak RSS minus its RSS after importing torch and tenx). The fit: the compute
+efficiency that makes the predicted step time equal the measured one, and the activation factor that makes
+the predicted memory equal the measured one (the part of it the formula attributes to activations). The
+factors are kept per machine in TENX_CACHE_DIR/plan-calibration.json and applied by `tenx plan` to the
+cluster file of that machine's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tenx.plan.estimate import GB, Cluster, estimate
+
+
+def _rss() -> int:
+    """Current resident set size in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _worker(config: str, overrides: list[str], run_dir: str) -> None:
+    """Inside the measuring process: train, then print one JSON line with this rank's figures."""
+    import tenx.train.run as run_module
+    from tenx.train.config import load_run_config, resolve_config_path
+
+    baseline = _rss()
+    cfg = load_run_config(resolve_config_path(config), overrides)
+    run_module.train(cfg, run_dir)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    rank = int(os.environ.get("RANK", "0"))
+    times = []
+    if rank == 0:
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if "step_time_s" in record:
+                times.append(record["step_time_s"])
+    print(
+        "TENX_MEASURE "
+        + json.dumps({"rank": rank, "peak_rss": peak, "baseline_rss": baseline, "step_times": times})
+    )
+
+
+def measure(
+    config: str, overrides: list[str], *, ranks: int = 1, strategy: str = "ddp", steps: int = 6
+) -> dict[str, Any]:
+    """Train `config` for `steps` steps in a fresh process (or `ranks` under torchrun); the measured figures."""
+    from tenx.train.config import load_run_config, resolve_config_path
+
+    run = load_run_config(resolve_config_path(config), overrides)
+    length = (  # a config that sets train.tokens keeps it, for exactly `steps` steps
+        f"train.tokens={steps * run.train.micro_batch * run.model.seq_len * run.train.grad_accum * ranks}"
+        if run.train.tokens is not None
+        else f"train.steps={steps}"
+    )
+    with tempfile.TemporaryDirectory(prefix="tenx-measure-") as tmp:
+        settings = [
+            *overrides,
+            length,
+            "train.eval_every=0",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "log.prequential_xz_mb=0",
+            "train.threads=1",
+            f"parallel.strategy={strategy}",
+        ]
+        code = "import sys, json; from tenx.plan.calibrate import _worker; _worker(*json.loads(sys.argv[1]))"
+        payload = json.dumps([config, settings, str(Path(tmp) / "run")])
+        if ranks > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+            cmd += ["--no-python", sys.executable, "-c", code, payload]
+        else:
+            cmd = [sys.executable, "-c", code, payload]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(f"measuring {config} failed:\n{out.stderr[-3000:]}")
+    decoder, marker, rows = json.JSONDecoder(), "TENX_MEASURE ", []
+    at = out.stdout.find(marker)
+    while at >= 0:  # ranks print at once: lines may interleave, so each record is decoded where it starts
+        record, _ = decoder.raw_decode(out.stdout, at + len(marker))
+        rows.append(record)
+        at = out.stdout.find(marker, at + len(marker))
+    times = next(r["step_times"] for r in rows if r["rank"] == 0)
+    return {
+        "step_s": statistics.median(times[2:] if len(times) > 3 else times),
+        "memory": max(r["peak_rss"] - r["baseline_rss"] for r in rows),
+        "ranks": ranks,
+        "strategy": strategy,
+    }
+
+
+def compare(run: Any, cluster: Cluster, vocab: int, measured: dict[str, Any]) -> dict[str, float]:
+    """Predicted over measured step time and memory for one measured case."""
+    plan = estimate(
+        run, cluster, vocab=vocab, strategy=measured["strategy"], ranks=measured["ranks"], dtype="fp32"
+    )
+    return {
+        "predicted_step_s": plan.step_s,
+        "measured_step_s": measured["step_s"],
+        "step_time_ratio": plan.step_s / measured["step_s"],
+        "predicted_memory_gb": plan.memory_per_rank["total"] / GB,
+        "measured_memory_gb": measured["memory"] / GB,
+        "memory_ratio": plan.memory_per_rank["total"] / measured["memory"],
+    }
+
+
+def fit(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) -> dict[str, float]:
+    """Factors from measured single-rank cases (run config, vocab, measurement), each by least squares over
+    the cases: the step overhead and compute efficiency (measured step = overhead + time at 100% of peak /
+    efficiency), and the runtime memory and activation factor (measured = runtime + fixed + factor x formula)."""
+    import numpy as np
+
+    times, spent, rows, targets = [], [], [], []
+    for run, vocab, measured in cases:
+        plan = estimate(run, cluster, vocab=vocab, strategy="ddp", ranks=1, dtype="fp32")
+        times.append([1.0, plan.compute_s * cluster.cluster.compute_efficiency])  # seconds at 100% of peak
+        spent.append(measured["step_s"])
+        m = plan.memory_per_rank
+        activations = (m["activations"] + m["logits"]) / cluster.cluster.activation_factor
+        fixed = m["total"] - m["activations"] - m["logits"] - m["runtime"]
+        rows.append([1.0, activations])
+        targets.append(measured["memory"] - fixed)
+    (runtime, factor), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
+    (overhead, slowdown), *_ = np.linalg.lstsq(np.array(times), np.array(spent), rcond=None)
+    return {
+        "compute_efficiency": float(min(1.0, 1.0 / max(slowdown, 1.0))),
+        "step_overhead_s": float(max(overhead, 0.0)),
+        "activation_factor": float(max(factor, 0.05)),
+        "runtime_gb": float(max(runtime, 0.0)) / GB,
+    }
+
+
+def calibration_path() -> Path:
+    root = Path(os.environ.get("TENX_CACHE_DIR", Path.home() / ".cache" / "tenx"))
+    return root / "plan-calibration.json"
+
+
+def save_calibration(cluster_name: str, factors: dict[str, float]) -> Path:
+    """Keep the fitted factors for clusters named `cluster_name` (atomically, beside earlier ones)."""
+    from tenx.utils.io import atomic_write_json
+
+    path = calibration_path()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    known[cluster_name] = factors
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, known)
+    return path
+
+
+def apply_calibration(cluster: Cluster) -> bool:
+    """Use the fitted factors of this cluster's name, when some were saved; True if applied."""
+    try:
+        known = json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return False
+    factors = known.get(cluster.name) if isinstance(known, dict) else None
+    if not isinstance(factors, dict):
+        return False
+    for key, top in (
+        ("compute_efficiency", 1.0),
+        ("activation_factor", 100.0),
+        ("runtime_gb", 1e4),
+        ("step_overhead_s", 1e3),
+    ):
+        value = factors.get(key)
+        if isinstance(value, (int, float)) and 0 <= value <= top:
+            setattr(cluster.cluster, key, float(value))
+    return True

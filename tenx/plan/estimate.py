@@ -1,0 +1,315 @@
+"""`tenx plan --config CFG --cluster CLUSTER`: what a run costs on a cluster before it starts.
+
+Memory per rank (bytes; P parameters, W data-parallel ranks, S ranks per shard group under HSDP):
+
+| part | DDP | FSDP2 (full shard) | HSDP |
+|---|---|---|---|
+| parameters (fp32 master) | 4P | 4P/W | 4P/S |
+| gradients (fp32) | 4P | 4P/W | 4P/S |
+| AdamW state (two fp32 moments) | 8P | 8P/W | 8P/S |
+| gathered parameters in flight (FSDP) | 0 | 2 blocks' 4P_block | same |
+
+Activations per micro-batch of b sequences of s tokens, per layer: Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", Table 2) count s·b·h·(34 + 5·a·s/h) bytes with
+16-bit activations and dropout. tenx's block has no dropout and a fused attention kernel that keeps no
+s x s score matrix; counting the tensors autograd saves (PyTorch's saved-tensor hooks) on tenx's own block
+gives 58 to 61 bytes per token per unit of width per layer in fp32 (tiny, quickstart, gpt2-d12): 15 values
+of h per token, so `15·h·bytes(dtype)` per token and layer, times `activation_factor`. With activation
+checkpointing each layer keeps only its input (bytes(dtype)·h per token) and one layer is recomputed at a
+time. The output layer adds the fp32 logits and their log-softmax: 2·4·V per token.
+
+Time per step: compute = FLOPs per token (tenx.model.flops, attention included, x3 for forward and
+backward) x tokens per rank / (peak FLOP/s x `compute_efficiency`); communication (ring collectives, bytes
+moved per rank = 2(W-1)/W x size for an all-reduce, (W-1)/W x size for an all-gather or a reduce-scatter):
+DDP all-reduces the fp32 gradients; FSDP all-gathers the parameters twice (forward, backward) and
+reduce-scatters the gradients; bandwidth is the intra-node link within a node and the inter-node link
+beyond. Step time = compute + (1 - overlap) x communication. Cross-cluster traffic of replica groups: sync
+mode all-reduces the gradients every step over the cross-cluster link; DiLoCo moves the pseudo-gradient
+(fp32, or bf16) once every H steps.
+
+The efficiency factors (`compute_efficiency`, `activation_factor`, `overlap`) default to the cluster file's
+values; `tenx plan --measure` fits the first two on this machine from a few real steps
+(tenx/plan/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tenx import config as cfglib
+from tenx.config import field
+from tenx.errors import ConfigError
+from tenx.model.config import ModelConfig
+from tenx.model.flops import count_params, flops_per_token
+from tenx.train.config import RunConfig
+
+GB = 1e9
+
+
+@dataclass
+class NodeSpec:
+    """One machine of the cluster."""
+
+    accelerators: int = field(8, ge=1, help="accelerators (GPUs, or 1 for a CPU) per node")
+    memory_gb: float = field(80.0, gt=0, help="memory per accelerator, GB")
+    peak_tflops_bf16: float = field(989.0, gt=0, help="dense bf16 peak per accelerator, TFLOP/s")
+    peak_tflops_fp32: float = field(67.0, gt=0, help="dense fp32 peak per accelerator, TFLOP/s")
+    memory_bandwidth_gbs: float = field(3350.0, gt=0, help="memory bandwidth per accelerator, GB/s")
+    intra_bandwidth_gbs: float = field(
+        450.0, gt=0, help="accelerator-to-accelerator bandwidth inside a node, GB/s"
+    )
+
+    def validate(self) -> None:
+        cfglib.check_bounds(self, "node")
+
+
+@dataclass
+class ClusterSpec:
+    """How the nodes are connected, and the factors that turn peaks into time."""
+
+    nodes: int = field(1, ge=1, help="nodes in the cluster")
+    inter_bandwidth_gbs: float = field(50.0, gt=0, help="network bandwidth per node, GB/s (400 Gb/s = 50)")
+    cross_cluster_bandwidth_gbs: float = field(
+        12.5, gt=0, help="bandwidth between clusters (replica groups), GB/s"
+    )
+    compute_efficiency: float = field(0.45, gt=0, le=1, help="fraction of peak FLOP/s a step's matmuls reach")
+    overlap: float = field(0.8, ge=0, le=1, help="fraction of communication hidden behind compute")
+    activation_factor: float = field(1.0, gt=0, help="measured activations / the formula's")
+    memory_usable: float = field(0.9, gt=0, le=1, help="fraction of an accelerator's memory a run may fill")
+    step_overhead_s: float = field(
+        0.0, ge=0, help="seconds per step besides the matmuls (Python, kernel launches)"
+    )
+    runtime_gb: float = field(
+        0.0,
+        ge=0,
+        help="memory a training process holds besides the model's tensors (allocator, kernels, data), GB",
+    )
+
+    def validate(self) -> None:
+        cfglib.check_bounds(self, "cluster")
+
+
+@dataclass
+class Cluster:
+    """A cluster description (configs/clusters/*.toml)."""
+
+    name: str = field("cluster", help="a name for reports")
+    node: NodeSpec = field(default_factory=NodeSpec, help="one machine")
+    cluster: ClusterSpec = field(default_factory=ClusterSpec, help="the network and efficiency factors")
+
+    @property
+    def accelerators(self) -> int:
+        return self.node.accelerators * self.cluster.nodes
+
+
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+def load_cluster(name: str, overrides: list[str] | None = None) -> Cluster:
+    """A cluster file, or the name of a shipped one (configs/clusters/NAME.toml)."""
+    path = Path(name)
+    if not path.exists() and (CLUSTER_DIR / f"{name}.toml").exists():
+        path = CLUSTER_DIR / f"{name}.toml"
+    if not path.exists():
+        shipped = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.toml")))
+        raise ConfigError(f"--cluster {name!r}: no such file or shipped cluster (shipped: {shipped})")
+    return cfglib.load(Cluster, path, overrides)
+
+
+def _bytes_per_activation(dtype: str) -> int:
+    return 2 if dtype in ("bf16", "bfloat16", "fp16") else 4
+
+
+def memory_per_rank(
+    model: ModelConfig,
+    micro_batch: int,
+    strategy: str,
+    ranks: int,
+    *,
+    shard_group: int | None = None,
+    dtype: str = "fp32",
+    activation_checkpointing: bool = False,
+    activation_factor: float = 1.0,
+) -> dict[str, float]:
+    """Bytes per rank by part (see the module doc) and their total."""
+    params = count_params(model).total
+    assert model.d_model and model.depth and model.vocab_size
+    if strategy == "ddp" or ranks == 1:
+        shard = 1
+    elif strategy == "fsdp":
+        shard = ranks
+    elif strategy == "hsdp":
+        shard = shard_group or ranks
+    else:
+        raise ConfigError(f"strategy must be ddp, fsdp or hsdp, got {strategy!r}")
+    tokens = micro_batch * model.seq_len
+    h, layers = model.d_model, model.depth
+    act = _bytes_per_activation(dtype)
+    per_layer = 15 * h * act * activation_factor  # per token: measured on tenx's block (module doc)
+    if activation_checkpointing:
+        activations = tokens * (layers * h * act + per_layer)
+    else:
+        activations = tokens * layers * per_layer
+    logits = tokens * model.vocab_size * 4 * 2 * activation_factor  # fp32 logits and their log-softmax
+    block_params = (params - count_params(model).embedding - count_params(model).lm_head) / layers
+    parts = {
+        "parameters": 4 * params / shard,
+        "gradients": 4 * params / shard,
+        "optimizer": 8 * params / shard,
+        "gathered": 2 * 4 * block_params if shard > 1 else 0.0,
+        "activations": activations,
+        "logits": logits,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def communication_per_step(
+    params: int, strategy: str, ranks: int, bandwidth_gbs: float, *, grad_accum: int = 1
+) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step and the seconds at `bandwidth_gbs` (ring collectives)."""
+    if ranks <= 1:
+        return {"bytes": 0.0, "seconds": 0.0}
+    ring = (ranks - 1) / ranks
+    if strategy == "ddp":
+        moved = 2 * ring * 4 * params  # one all-reduce of fp32 gradients per step
+    else:  # fsdp / hsdp: all-gather params in forward and backward of every micro-batch, reduce-scatter grads
+        moved = grad_accum * 2 * ring * 4 * params + ring * 4 * params
+    return {"bytes": moved, "seconds": moved / (bandwidth_gbs * GB)}
+
+
+@dataclass
+class Plan:
+    """What `estimate` returns (also the JSON `tenx plan` writes)."""
+
+    params: int
+    flops_per_token: float
+    ranks: int
+    strategy: str
+    tokens_per_step: int
+    memory_per_rank: dict[str, float]
+    memory_capacity: float
+    fits: bool
+    largest_micro_batch: int
+    compute_s: float
+    communication: dict[str, float]
+    step_s: float
+    mfu: float
+    tokens_per_day: float
+    cross_cluster: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate(
+    run: RunConfig,
+    cluster: Cluster,
+    *,
+    vocab: int,
+    strategy: str = "ddp",
+    ranks: int | None = None,
+    dtype: str | None = None,
+    activation_checkpointing: bool = False,
+    replica_groups: int = 1,
+    diloco_every: int = 0,
+) -> Plan:
+    """Memory, communication, step time, MFU and throughput of `run` on `cluster` (see the module doc)."""
+    model = run.model.resolved(vocab)
+    ranks = ranks or cluster.accelerators
+    dtype = dtype or ("bf16" if run.train.precision in ("bf16", "auto") else "fp32")
+    c, node = cluster.cluster, cluster.node
+    params = count_params(model).total
+    per_token = flops_per_token(model)
+    tokens_per_step = run.train.micro_batch * model.seq_len * ranks * max(1, run.train.grad_accum)
+    memory = memory_per_rank(
+        model,
+        run.train.micro_batch,
+        strategy,
+        ranks,
+        shard_group=node.accelerators,
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        activation_factor=c.activation_factor,
+    )
+    memory["runtime"] = c.runtime_gb * GB
+    memory["total"] += memory["runtime"]
+    capacity = node.memory_gb * GB * c.memory_usable
+    largest = 0
+    for mb in (2**k for k in range(0, 16)):
+        m = memory_per_rank(
+            model,
+            mb,
+            strategy,
+            ranks,
+            shard_group=node.accelerators,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            activation_factor=c.activation_factor,
+        )
+        if m["total"] + memory["runtime"] > capacity:
+            break
+        largest = mb
+    peak = (node.peak_tflops_bf16 if dtype == "bf16" else node.peak_tflops_fp32) * 1e12
+    compute = per_token * tokens_per_step / ranks / (peak * c.compute_efficiency)
+    bandwidth = (
+        node.intra_bandwidth_gbs
+        if ranks <= node.accelerators
+        else min(node.intra_bandwidth_gbs, c.inter_bandwidth_gbs / node.accelerators)
+    )
+    comm = communication_per_step(params, strategy, ranks, bandwidth, grad_accum=max(1, run.train.grad_accum))
+    step = c.step_overhead_s + compute + (1 - c.overlap) * comm["seconds"]
+    cross: dict[str, float] = {}
+    if replica_groups > 1:
+        ring = (replica_groups - 1) / replica_groups
+        sync_bytes = 2 * ring * 4 * params
+        every = max(1, diloco_every) if diloco_every else 1
+        cross = {
+            "sync_bytes_per_step": sync_bytes,
+            "sync_seconds_per_step": sync_bytes / (c.cross_cluster_bandwidth_gbs * GB),
+            "diloco_bytes_per_step": sync_bytes / every,
+            "diloco_seconds_per_step": sync_bytes / every / (c.cross_cluster_bandwidth_gbs * GB),
+        }
+    mfu = per_token * tokens_per_step / step / (peak * ranks) if step > 0 else 0.0
+    return Plan(
+        params=params,
+        flops_per_token=per_token,
+        ranks=ranks,
+        strategy=strategy,
+        tokens_per_step=tokens_per_step,
+        memory_per_rank=memory,
+        memory_capacity=capacity,
+        fits=memory["total"] <= capacity,
+        largest_micro_batch=largest,
+        compute_s=compute,
+        communication=comm,
+        step_s=step,
+        mfu=mfu,
+        tokens_per_day=tokens_per_step * 86400 / step if step > 0 else math.inf,
+        cross_cluster=cross,
+    )
+
+
+def format_plan(plan: Plan, cluster: Cluster) -> str:
+    """The plan as a short report."""
+    m = plan.memory_per_rank
+    lines = [
+        f"cluster {cluster.name}: {plan.ranks} ranks ({plan.strategy})",
+        f"parameters {plan.params:,}; {plan.flops_per_token:.3g} FLOPs per token (forward + backward)",
+        "memory per rank: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in m.items() if k != "total"),
+        f"  total {m['total'] / GB:.2f} GB of {plan.memory_capacity / GB:.1f} GB usable: "
+        + ("fits" if plan.fits else "DOES NOT FIT")
+        + f"; largest micro-batch that fits: {plan.largest_micro_batch}",
+        f"step: compute {plan.compute_s:.3f} s, communication {plan.communication['seconds']:.3f} s "
+        f"({plan.communication['bytes'] / GB:.2f} GB per rank), step {plan.step_s:.3f} s, MFU {100 * plan.mfu:.1f}%",
+        f"tokens per day: {plan.tokens_per_day:.3g}",
+    ]
+    if plan.cross_cluster:
+        x = plan.cross_cluster
+        lines.append(
+            f"across clusters: sync {x['sync_seconds_per_step']:.3f} s/step, DiLoCo {x['diloco_seconds_per_step']:.4f} s/step"
+        )
+    return "\n".join(lines)
