@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.plan.estimate import GB, Cluster, estimate
+from tenx.rundir import RunDir
 
 
 def _rss() -> int:
@@ -45,7 +46,7 @@ def _worker(config: str, overrides: list[str], run_dir: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     times = []
     if rank == 0:
-        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        for line in RunDir(run_dir).metrics.read_text().splitlines():
             record = json.loads(line)
             if "step_time_s" in record:
                 times.append(record["step_time_s"])
