@@ -20,6 +20,7 @@ from tenx.errors import TenxError
 from tenx.eval.cli import add_eval_parser
 from tenx.eval.codec_cli import add_compress_parsers
 from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
+from tenx.plan.cli import add_plan_parser
 from tenx.rundir import RunDir
 from tenx.triage.cli import add_incidents_parser, add_replay_parser, add_triage_parser
 from tenx.utils.io import STORAGE_ERRNOS, storage_error
@@ -469,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)  # `tenx report RUN_DIR... -o FILE`: the same page as one offline file
     add_incidents_parser(sub)  # `tenx incidents RUN_DIR...`: every anomaly of runs (tenx/triage/)
     add_replay_parser(sub)
+    add_plan_parser(sub)  # `tenx plan --config CFG --cluster C`, `tenx plan shapes`, `tenx plan failures`
     add_triage_parser(sub)
     add_compress_parsers(sub)  # `tenx compress` / `tenx decompress` (tenx/eval/codec.py)
 

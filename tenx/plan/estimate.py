@@ -303,8 +303,8 @@ def format_plan(plan: Plan, cluster: Cluster) -> str:
         f"  total {m['total'] / GB:.2f} GB of {plan.memory_capacity / GB:.1f} GB usable: "
         + ("fits" if plan.fits else "DOES NOT FIT")
         + f"; largest micro-batch that fits: {plan.largest_micro_batch}",
-        f"step: compute {plan.compute_s:.3f} s, communication {plan.communication['seconds']:.3f} s "
-        f"({plan.communication['bytes'] / GB:.2f} GB per rank), step {plan.step_s:.3f} s, MFU {100 * plan.mfu:.1f}%",
+        f"step: compute {plan.compute_s:.3g} s, communication {plan.communication['seconds']:.3g} s "
+        f"({plan.communication['bytes'] / GB:.2f} GB per rank), step {plan.step_s:.3g} s, MFU {100 * plan.mfu:.1f}%",
         f"tokens per day: {plan.tokens_per_day:.3g}",
     ]
     if plan.cross_cluster:

@@ -1,0 +1,432 @@
+"""Failures at scale: what component failures cost a synchronous run, and a semi-synchronous one, as the
+accelerator count grows from 1e3 to 1e7 (`tenx plan failures`).
+
+Rates come from Llama 3's published breakdown (The Llama 3 Herd of Models, 2024, §3.3.4, Table 5): 466 job
+interruptions in a 54-day snapshot on 16,384 H100 GPUs, 47 planned and 419 unexpected. Only the 419
+unexpected ones are used, per category by their counts (which sum to 419; the paper's percentages do not all
+equal count/419). Each rate scales linearly with the GPU count: per-GPU rate = count / (16,384 GPUs × 54 d).
+
+Synchronous (one job: any failure stops everyone, who restart from the last checkpoint). With job MTBF M,
+checkpoint cost δ (the loop is stalled), interval τ (work between saves), restart R and detection latency D
+(a failure is noticed D after it happens; that time is lost too), exponential failures give the exact
+expected wall time of one segment of work τ (failures during detection/restart are absorbed by it):
+
+    E[T] = (M + R + D) · (exp((τ + δ)/M) - 1)        goodput = τ / E[T]
+
+(the renewal argument of Daly, "A higher order estimate of the optimum checkpoint interval for restart
+dumps", FGCS 2006, with failures not counted during downtime). Its optimum solves τ = M·(1 - exp(-(τ+δ)/M))
+and does not depend on R or D: detection latency lowers goodput but leaves the best interval where it was.
+Young (1974) sqrt(2δM) and Daly's higher-order variant are its approximations; first order,
+goodput ≈ 1 - δ/τ - (τ/2 + R + D)/M.
+
+Semi-synchronous (DiLoCo-style): G GPUs in k replica groups that synchronise every `sync_s` seconds. A failed
+group heals from a live peer while the others go on (the global batch shrinks meanwhile); it loses its work
+since the last sync plus D + R. Group MTBF is k·M; with syncs every H from each up period's start the exact
+renewal goodput is (kM - E[U mod H]) / (kM + R + D), E[U mod H] = kM - H/(exp(H/kM) - 1). Rule for k: groups
+must hold at least `min_group_gpus` accelerators (a model replica with its tensor/pipeline parallelism);
+goodput grows with k, so `auto` takes the most groups that rule allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import brentq
+
+from tenx.errors import TenxError
+from tenx.plan.failures import expected_goodput, young_daly_interval_s
+
+LLAMA3_GPUS = 16_384
+LLAMA3_DAYS = 54.0
+# Llama 3 §3.3.4 Table 5: unexpected interruptions by root cause, 54 days on 16,384 H100s (sum 419).
+LLAMA3_UNEXPECTED = {
+    "faulty GPU": 148,
+    "GPU HBM3 memory": 72,
+    "software bug": 54,
+    "network switch/cable": 35,
+    "host maintenance": 32,
+    "GPU SRAM memory": 19,
+    "GPU system processor": 17,
+    "NIC": 7,
+    "NCCL watchdog timeouts": 7,
+    "silent data corruption": 6,
+    "GPU thermal interface + sensor": 6,
+    "SSD": 3,
+    "power supply": 3,
+    "server chassis": 2,
+    "IO expansion board": 2,
+    "dependency": 2,
+    "CPU": 2,
+    "system memory": 2,
+}
+DAY_S = 86_400.0
+
+
+def component_rates_per_gpu_s(counts: dict[str, int] | None = None) -> dict[str, float]:
+    """Failures per GPU-second of each component: its count over 16,384 GPUs × 54 days."""
+    exposure = LLAMA3_GPUS * LLAMA3_DAYS * DAY_S
+    return {name: n / exposure for name, n in (counts or LLAMA3_UNEXPECTED).items()}
+
+
+def job_mtbf_s(gpus: float, counts: dict[str, int] | None = None) -> float:
+    """Mean seconds between failures of a job spanning `gpus` accelerators (rates add linearly)."""
+    if gpus <= 0:
+        raise TenxError(f"--gpus: need a positive accelerator count, got {gpus}")
+    return 1.0 / (gpus * sum(component_rates_per_gpu_s(counts).values()))
+
+
+def daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+    """Daly's (2006) higher-order estimate of the optimum interval (work between saves)."""
+    if save_cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = save_cost_s / (2 * mtbf_s)
+    return math.sqrt(2 * save_cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - save_cost_s
+
+
+def exact_interval_s(save_cost_s: float, mtbf_s: float) -> float:
+    """The interval maximising the exact exponential goodput: τ = M(1 - exp(-(τ+δ)/M)); R and D drop out."""
+    if save_cost_s <= 0:
+        return 0.0
+
+    def f(tau: float) -> float:
+        return tau - mtbf_s * (1 - math.exp(-(tau + save_cost_s) / mtbf_s))
+
+    return float(brentq(f, 1e-12 * mtbf_s, mtbf_s))
+
+
+def sync_goodput_exact(
+    interval_s: float, save_cost_s: float, mtbf_s: float, restart_s: float, detect_s: float = 0.0
+) -> float:
+    """Exact goodput of a synchronous job under Poisson failures: τ / ((M + R + D)(e^{(τ+δ)/M} - 1))."""
+    if interval_s <= 0:
+        return 0.0
+    growth = math.expm1((interval_s + save_cost_s) / mtbf_s)
+    return interval_s / ((mtbf_s + restart_s + detect_s) * growth) if math.isfinite(growth) else 0.0
+
+
+def semi_sync_goodput(
+    groups: int, mtbf_s: float, sync_s: float, restart_s: float, detect_s: float = 0.0
+) -> float:
+    """Exact renewal goodput of one of `groups` replica groups (each fails at 1/groups the job's rate)."""
+    m = groups * mtbf_s
+    lost_in_up = m - sync_s / math.expm1(sync_s / m) if sync_s > 0 else 0.0
+    return (m - lost_in_up) / (m + restart_s + detect_s)
+
+
+@dataclass
+class Row:
+    """One accelerator count's failure budget, closed form and simulated."""
+
+    gpus: float
+    mtbf_s: float
+    checkpoint_interval_s: float
+    young_interval_s: float
+    daly_interval_s: float
+    goodput_sync: float
+    goodput_sync_first_order: float
+    goodput_semi_sync: float
+    groups: int
+    groups_for_90: int | None
+    sim_sync: float | None = None
+    sim_sync_ci: float | None = None
+    sim_semi_sync: float | None = None
+    sim_semi_sync_ci: float | None = None
+
+
+def choose_groups(gpus: float, min_group_gpus: int) -> int:
+    """The most groups that each still hold `min_group_gpus` accelerators (1 if two do not fit)."""
+    return max(1, int(gpus // min_group_gpus))
+
+
+def groups_for_goodput(
+    target: float,
+    gpus: float,
+    mtbf_s: float,
+    sync_s: float,
+    restart_s: float,
+    detect_s: float,
+    min_group_gpus: int,
+) -> int | None:
+    """The fewest groups (>= 2) whose semi-synchronous goodput reaches `target`; None if none allowed does."""
+    k_max = choose_groups(gpus, min_group_gpus)
+    if k_max < 2 or semi_sync_goodput(k_max, mtbf_s, sync_s, restart_s, detect_s) < target:
+        return None
+    lo, hi = 2, k_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if semi_sync_goodput(mid, mtbf_s, sync_s, restart_s, detect_s) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def simulate_sync(
+    mtbf_s: float,
+    interval_s: float,
+    save_cost_s: float,
+    restart_s: float,
+    detect_s: float = 0.0,
+    days: float = 30.0,
+    rng: np.random.Generator | None = None,
+) -> float:
+    """One seeded discrete-event run of a synchronous job: saves every interval, restarts on each failure."""
+    rng = rng or np.random.default_rng(0)
+    horizon, segment = days * DAY_S, interval_s + save_cost_s
+    t = work = 0.0
+    for x in _exponentials(rng, mtbf_s):
+        if t >= horizon:
+            break
+        if x >= segment:
+            t += segment
+            work += interval_s
+        else:
+            t += x + detect_s + restart_s
+    return work / t
+
+
+def _exponentials(rng: np.random.Generator, mean: float) -> Iterator[float]:
+    """Times to the next failure, drawn in blocks: the minimum of the components' independent exponential
+    clocks is itself exponential with the summed rate, so one draw at rate 1/M stands for all of them."""
+    while True:
+        yield from rng.exponential(mean, 4096).tolist()
+
+
+def simulate_semi_sync(
+    groups: int,
+    mtbf_s: float,
+    sync_s: float,
+    restart_s: float,
+    detect_s: float = 0.0,
+    days: float = 30.0,
+    rng: np.random.Generator | None = None,
+) -> float:
+    """One seeded run of k replica groups: each failure costs its group the work since its last sync + D + R."""
+    rng = rng or np.random.default_rng(0)
+    horizon = days * DAY_S
+    times = np.sort(rng.uniform(0, horizon, rng.poisson(horizon / mtbf_s)))
+    owners = rng.integers(0, groups, times.size)
+    up_since = np.zeros(groups)  # when each group last came back up (its sync clock restarts there)
+    lost = 0.0
+    for t, g in zip(times.tolist(), owners.tolist()):
+        if t < up_since[g]:
+            continue  # the group is already down: the failure is absorbed by its restart
+        age = (t - up_since[g]) % sync_s if sync_s > 0 else 0.0
+        back = t + detect_s + restart_s
+        lost += age + min(back, horizon) - t
+        up_since[g] = back
+    return 1.0 - lost / (groups * horizon)
+
+
+def _mean_ci(samples: list[float]) -> tuple[float, float]:
+    a = np.asarray(samples)
+    half = 1.96 * a.std(ddof=1) / math.sqrt(a.size) if a.size > 1 else float("nan")
+    return float(a.mean()), float(half)
+
+
+def failure_table(
+    gpus_list: list[float],
+    save_cost_s: float = 60.0,
+    restart_s: float = 600.0,
+    detect_s: float = 0.0,
+    groups: int | None = None,
+    min_group_gpus: int = 1024,
+    sync_s: float = 600.0,
+    simulate: bool = True,
+    days: float = 30.0,
+    replicas: int = 8,
+    seed: int = 0,
+) -> list[Row]:
+    """The failure budget at each accelerator count; `groups=None` picks k by the group-size rule."""
+    rows = []
+    for i, g in enumerate(gpus_list):
+        m = job_mtbf_s(g)
+        tau = exact_interval_s(save_cost_s, m)
+        k = groups if groups is not None else choose_groups(g, min_group_gpus)
+        sync = sync_goodput_exact(tau, save_cost_s, m, restart_s, detect_s)
+        semi = semi_sync_goodput(k, m, sync_s, restart_s, detect_s) if k >= 2 else sync
+        young = young_daly_interval_s(save_cost_s, m)
+        row = Row(
+            gpus=g,
+            mtbf_s=m,
+            checkpoint_interval_s=tau,
+            young_interval_s=young,
+            daly_interval_s=daly_interval_s(save_cost_s, m),
+            goodput_sync=sync,
+            goodput_sync_first_order=expected_goodput(young, save_cost_s, m, restart_s + detect_s),
+            goodput_semi_sync=semi,
+            groups=k,
+            groups_for_90=groups_for_goodput(0.9, g, m, sync_s, restart_s, detect_s, min_group_gpus),
+        )
+        if simulate:
+            rngs = [np.random.default_rng([seed, i, r]) for r in range(replicas)]
+            row.sim_sync, row.sim_sync_ci = _mean_ci(
+                [simulate_sync(m, tau, save_cost_s, restart_s, detect_s, days, r) for r in rngs]
+            )
+            if k >= 2:
+                row.sim_semi_sync, row.sim_semi_sync_ci = _mean_ci(
+                    [simulate_semi_sync(k, m, sync_s, restart_s, detect_s, days, r) for r in rngs]
+                )
+            else:
+                row.sim_semi_sync, row.sim_semi_sync_ci = row.sim_sync, row.sim_sync_ci
+        rows.append(row)
+    return rows
+
+
+def simulate_ledger_case(
+    step_s: float,
+    p_kill_per_step: float,
+    save_every_steps: int,
+    save_cost_s: float,
+    restart_s: float,
+    steps: int,
+    *,
+    startup_s: float = 0.0,
+    other_s_per_step: float = 0.0,
+    trials: int = 2000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Predict the chaos drill's ledger goodput: `sigkill@p=P` fires once per step index, at the step's start.
+
+    A kill at step s (each step independently, with probability p, whatever the attempt) loses the steps
+    since the last save, (s-1) mod every, and costs a restart; the replayed steps do not fire again.
+    Goodput is the ledger's: steps·step_s over startup + steps·(step_s + other) + saves + recompute + restarts.
+    Returns the simulated mean and its 95% half-width, and the ratio of expectations.
+    """
+    if not 0 <= p_kill_per_step < 1 or save_every_steps < 1 or steps < 1:
+        raise TenxError("need 0 <= p < 1, save_every_steps >= 1 and steps >= 1")
+    rng = np.random.default_rng(seed)
+    since_save = (np.arange(1, steps + 1) - 1) % save_every_steps  # steps lost by a kill at step s
+    base = startup_s + steps * (step_s + other_s_per_step) + (steps // save_every_steps) * save_cost_s
+    kills = rng.random((trials, steps)) < p_kill_per_step
+    lost = kills @ (since_save * step_s + restart_s)
+    goodput = steps * step_s / (base + lost)
+    expected_lost = p_kill_per_step * float(np.sum(since_save * step_s + restart_s))
+    mean, half = _mean_ci(goodput.tolist())
+    return {
+        "goodput": mean,
+        "ci95": half,
+        "goodput_expected": steps * step_s / (base + expected_lost),
+        "kills_expected": p_kill_per_step * steps,
+    }
+
+
+def ledger_case_from_drill(drill_json: str | Path) -> dict[str, float]:
+    """Predict a chaos drill's goodput from its drill.json: per-step costs from its ledger, kills from p."""
+    summary = json.loads(Path(drill_json).read_text())
+    led = summary["ledger"]
+    steps = int(summary["steps"])
+    every = int(summary["memory_every"] or summary["every"])  # the newest tier a restart resumes from
+    restarts = max(1, int(led["restarts"]))
+    pred = simulate_ledger_case(
+        step_s=led["productive_s"] / steps,
+        p_kill_per_step=float(summary["p"]),
+        save_every_steps=every,
+        save_cost_s=led["checkpoint_s"] / (steps // every),
+        restart_s=led["restart_s"] / restarts,
+        steps=steps,
+        startup_s=led["startup_s"],
+        other_s_per_step=led["other_s"] / steps,
+    )
+    return {**pred, "measured": float(led["goodput"])}
+
+
+def format_table(rows: list[Row]) -> str:
+    """The failure table, one line per accelerator count."""
+    head = (
+        f"{'gpus':>8} {'mtbf':>9} {'interval':>9} {'goodput_sync':>13} {'sim_sync':>15} "
+        f"{'goodput_semi_sync':>17} {'sim_semi':>15} {'groups':>7} {'k@90%':>6}"
+    )
+    lines = [head]
+    for r in rows:
+        sim = f"{r.sim_sync:.3f}±{r.sim_sync_ci:.3f}" if r.sim_sync is not None else "-"
+        semi = f"{r.sim_semi_sync:.4f}±{r.sim_semi_sync_ci:.4f}" if r.sim_semi_sync is not None else "-"
+        lines.append(
+            f"{r.gpus:>8.0e} {_dur(r.mtbf_s):>9} {_dur(r.checkpoint_interval_s):>9} "
+            f"{r.goodput_sync:>13.3f} {sim:>15} {r.goodput_semi_sync:>17.4f} {semi:>15} "
+            f"{r.groups:>7} {r.groups_for_90 if r.groups_for_90 is not None else '-':>6}"
+        )
+    return "\n".join(lines)
+
+
+def _dur(s: float) -> str:
+    return f"{s / 3600:.2f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.1f}s"
+
+
+def sync_below_half_gpus(save_cost_s: float, restart_s: float, detect_s: float) -> float:
+    """The accelerator count at which synchronous goodput (optimal interval) falls to 50%."""
+
+    def f(log_g: float) -> float:
+        m = job_mtbf_s(10**log_g)
+        return sync_goodput_exact(exact_interval_s(save_cost_s, m), save_cost_s, m, restart_s, detect_s) - 0.5
+
+    return float(10 ** brentq(f, 0.0, 9.0))
+
+
+def add_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
+    """Register `tenx plan failures`."""
+    p = plan_subparsers.add_parser("failures", help="failures at scale: MTBF, checkpoint interval, goodput")
+    p.add_argument("--gpus", default="1e3,1e4,1e5,1e6,1e7", help="comma-separated accelerator counts")
+    p.add_argument("--save-cost-s", type=float, default=60.0, help="seconds a checkpoint save stalls the job")
+    p.add_argument("--restart-s", type=float, default=600.0, help="seconds to restart (or heal a group)")
+    p.add_argument("--detect-s", type=float, default=0.0, help="seconds from a failure to its detection")
+    p.add_argument("--groups", default="auto", help="semi-synchronous replica groups: auto or N")
+    p.add_argument("--min-group-gpus", type=int, default=1024, help="auto: accelerators a group must hold")
+    p.add_argument("--sync-s", type=float, default=600.0, help="seconds between semi-synchronous syncs")
+    p.add_argument("--days", type=float, default=30.0, help="simulated days per replica")
+    p.add_argument("--replicas", type=int, default=8, help="independent simulations (for the 95%% CI)")
+    p.add_argument("--no-sim", action="store_true", help="closed forms only")
+    p.add_argument("--json", help="write one row per accelerator count here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulation (default 0)")
+    p.set_defaults(func=cmd_failures)
+    return p
+
+
+def cmd_failures(args: argparse.Namespace) -> None:
+    """`tenx plan failures`: the table, the 50% crossing, and the groups that keep 90%."""
+    try:
+        gpus = [float(x) for x in str(args.gpus).split(",") if x.strip()]
+        groups = None if args.groups == "auto" else int(args.groups)
+    except ValueError as e:
+        raise TenxError(f"--gpus / --groups: {e}") from e
+    if groups is not None and groups < 1:
+        raise TenxError(f"--groups: need >= 1, got {groups}")
+    rows = failure_table(
+        gpus,
+        args.save_cost_s,
+        args.restart_s,
+        args.detect_s,
+        groups,
+        args.min_group_gpus,
+        args.sync_s,
+        not args.no_sim,
+        args.days,
+        args.replicas,
+        args.seed,
+    )
+    print(
+        f"rates: Llama 3 §3.3.4, {sum(LLAMA3_UNEXPECTED.values())} unexpected interruptions / "
+        f"({LLAMA3_GPUS} GPUs × {LLAMA3_DAYS:g} d), linear in GPUs; δ={args.save_cost_s:g}s "
+        f"R={args.restart_s:g}s D={args.detect_s:g}s sync every {args.sync_s:g}s"
+    )
+    print(format_table(rows))
+    half = sync_below_half_gpus(args.save_cost_s, args.restart_s, args.detect_s)
+    print(f"synchronous goodput falls below 50% at about {half:,.0f} accelerators")
+    for r in rows:
+        if r.groups_for_90 is not None:
+            print(f"  {r.gpus:.0e} GPUs: >= {r.groups_for_90} groups keep semi-synchronous goodput >= 90%")
+    if args.json:
+        keys = ("gpus", "mtbf_s", "checkpoint_interval_s", "goodput_sync", "goodput_semi_sync", "groups")
+        out = [
+            {**{k: asdict(r)[k] for k in keys}, **{k: v for k, v in asdict(r).items() if k not in keys}}
+            for r in rows
+        ]
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
