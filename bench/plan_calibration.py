@@ -3,9 +3,9 @@
 Each case trains a config for a few steps in a fresh process (one thread per process; several ranks under
 torchrun over gloo) and measures the median step time and the peak resident memory the training added
 (tenx/plan/calibrate.py). The cluster is configs/clusters/cpu.toml. First the predictions with the file's
-default factors; then the factors are fitted on the single-process tiny and quickstart cases and every case
-is predicted again (the fitted cases are marked: their ratios are 1 by construction for step time only
-when they are the sole case).
+default factors; then the factors are fitted (the single-process tiny and quickstart cases give the step
+overhead, compute efficiency, runtime memory and activation factor; the 2-rank tiny DDP case gives the
+per-collective latency) and every case is predicted again (fitted cases are marked *).
 
 Baseline: the measurement itself, in the same process tree.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
 from tenx.data.sources import stdlib_dir
-from tenx.plan.calibrate import compare, fit, measure, save_calibration
+from tenx.plan.calibrate import compare, fit, fit_latency, measure, save_calibration
 from tenx.plan.estimate import load_cluster
 from tenx.train.config import load_run_config, resolve_config_path
 
@@ -34,7 +34,7 @@ CASES = [  # (name, config, extra overrides, ranks, strategy, fitted on)
     ("tiny", "tiny", [], 1, "ddp", True),
     ("quickstart", "quickstart", ["train.micro_batch=8"], 1, "ddp", True),
     ("gpt2-d12", "gpt2-d12", GPT2_SMALL_ON_CPU, 1, "ddp", False),
-    ("tiny ddp x2", "tiny", [], 2, "ddp", False),
+    ("tiny ddp x2", "tiny", [], 2, "ddp", True),
     ("tiny fsdp x2", "tiny", [], 2, "fsdp", False),
     ("quickstart ddp x2", "quickstart", ["train.micro_batch=8"], 2, "ddp", False),
 ]
@@ -76,9 +76,11 @@ def main() -> None:
 
     cluster = load_cluster("cpu")
     before = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
-    factors = fit([(run, vocab, m) for _, run, m, fitted in measured if fitted], cluster)
+    factors = fit([(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] == 1], cluster)
     for key, value in factors.items():
         setattr(cluster.cluster, key, value)
+    multi = [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] > 1]
+    factors["collective_latency_s"] = cluster.cluster.collective_latency_s = fit_latency(multi, cluster)
     after = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
     print(f"\nfitted on {', '.join(n for n, *_, f in measured if f)}: {factors}")
     print(

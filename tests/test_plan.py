@@ -86,3 +86,20 @@ def test_shipped_clusters_plan_a_run():
     assert x["diloco_bytes_per_step"] == pytest.approx(x["sync_bytes_per_step"] / 100)
     with pytest.raises(Exception, match="no such file or shipped cluster"):
         load_cluster("nowhere")
+
+
+def test_collectives_are_counted_and_cost_their_latency():
+    from tenx.plan.estimate import collectives_per_step
+
+    run = load_run_config(resolve_config_path("tiny"))
+    cfg = run.model.resolved(257)
+    params = count_params(cfg).total
+    assert collectives_per_step(cfg, params, "ddp", 1, 1) == 0
+    assert collectives_per_step(cfg, params, "ddp", 2, 1) == 1 + 2  # one bucket, the loss, the stop signal
+    assert collectives_per_step(cfg, params, "fsdp", 2, 1) == 2 * 3 + 3 + 2  # 2 blocks and the root
+    cluster = load_cluster("cpu")
+    slow = load_cluster("cpu")
+    slow.cluster.collective_latency_s = 0.01
+    a = estimate(run, cluster, vocab=257, ranks=2)
+    b = estimate(run, slow, vocab=257, ranks=2)
+    assert b.step_s - a.step_s == pytest.approx(0.01 * 3)

@@ -23,7 +23,7 @@ backward) x tokens per rank / (peak FLOP/s x `compute_efficiency`); communicatio
 moved per rank = 2(W-1)/W x size for an all-reduce, (W-1)/W x size for an all-gather or a reduce-scatter):
 DDP all-reduces the fp32 gradients; FSDP all-gathers the parameters twice (forward, backward) and
 reduce-scatters the gradients; bandwidth is the intra-node link within a node and the inter-node link
-beyond. Step time = compute + (1 - overlap) x communication. Cross-cluster traffic of replica groups: sync
+beyond. Step time = compute + (1 - overlap) x communication + collectives x `collective_latency_s`. Cross-cluster traffic of replica groups: sync
 mode all-reduces the gradients every step over the cross-cluster link; DiLoCo moves the pseudo-gradient
 (fp32, or bf16) once every H steps.
 
@@ -81,6 +81,11 @@ class ClusterSpec:
     memory_usable: float = field(0.9, gt=0, le=1, help="fraction of an accelerator's memory a run may fill")
     step_overhead_s: float = field(
         0.0, ge=0, help="seconds per step besides the matmuls (Python, kernel launches)"
+    )
+    collective_latency_s: float = field(
+        0.0,
+        ge=0,
+        help="seconds each collective costs besides its bytes (launch, synchronisation), not hidden",
     )
     runtime_gb: float = field(
         0.0,
@@ -181,6 +186,22 @@ def communication_per_step(
     return {"bytes": moved, "seconds": moved / (bandwidth_gbs * GB)}
 
 
+BUCKET_BYTES = 25 * 2**20
+"""DDP's default gradient bucket."""
+
+
+def collectives_per_step(model: ModelConfig, params: int, strategy: str, ranks: int, grad_accum: int) -> int:
+    """Collectives a rank launches per optimizer step: DDP one all-reduce per 25 MiB gradient bucket; FSDP2
+    an all-gather per block (and the root) in forward and backward of each micro-batch and a reduce-scatter
+    per block; plus tenx's two per step (the loss average and the agreed stop signal)."""
+    if ranks <= 1:
+        return 0
+    if strategy == "ddp":
+        return math.ceil(4 * params / BUCKET_BYTES) + 2
+    units = (model.depth or 0) + 1
+    return grad_accum * 2 * units + units + 2
+
+
 @dataclass
 class Plan:
     """What `estimate` returns (also the JSON `tenx plan` writes)."""
@@ -261,7 +282,9 @@ def estimate(
         else min(node.intra_bandwidth_gbs, c.inter_bandwidth_gbs / node.accelerators)
     )
     comm = communication_per_step(params, strategy, ranks, bandwidth, grad_accum=max(1, run.train.grad_accum))
-    step = c.step_overhead_s + compute + (1 - c.overlap) * comm["seconds"]
+    comm["collectives"] = collectives_per_step(model, params, strategy, ranks, max(1, run.train.grad_accum))
+    comm["latency_s"] = comm["collectives"] * c.collective_latency_s
+    step = c.step_overhead_s + compute + (1 - c.overlap) * comm["seconds"] + comm["latency_s"]
     cross: dict[str, float] = {}
     if replica_groups > 1:
         ring = (replica_groups - 1) / replica_groups
