@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
-from tenx.data.sources import stdlib_dir
+from tenx.data.sources import copy_stdlib_packages
 from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, format_goodput
@@ -51,12 +51,7 @@ MODEL = [
 def prepare_data(out: Path) -> Path:
     """A few standard-library packages, byte-tokenized: prepared in seconds, real code."""
     data, corpus = out / "data", out / "corpus"
-    for pkg in PACKAGES:
-        for src in sorted((stdlib_dir() / pkg).rglob("*.py")):
-            dst = corpus / pkg / src.relative_to(stdlib_dir() / pkg)
-            if not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(src.read_bytes())
+    copy_stdlib_packages(PACKAGES, corpus)
     cfg = PrepareConfig(source=str(corpus), out=str(data), tokenizer="bytes")
     if not is_prepared(cfg):
         prepare(cfg, progress=False)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
-from tenx.data.sources import stdlib_dir
+from tenx.data.sources import copy_stdlib_packages
 from tenx.plan.calibrate import compare, fit, fit_latency, measure, save_calibration
 from tenx.plan.estimate import load_cluster
 from tenx.train.config import load_run_config, resolve_config_path
@@ -42,12 +42,7 @@ CASES = [  # (name, config, extra overrides, ranks, strategy, fitted on)
 
 def prepare_data(out: Path) -> Path:
     corpus, data = out / "corpus", out / "data"
-    for pkg in PACKAGES:
-        for src in sorted((stdlib_dir() / pkg).rglob("*.py")):
-            dst = corpus / pkg / src.relative_to(stdlib_dir() / pkg)
-            if not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(src.read_bytes())
+    copy_stdlib_packages(PACKAGES, corpus)
     cfg = PrepareConfig(source=str(corpus), out=str(data), tokenizer="bpe", vocab_size=4096)
     if not is_prepared(cfg):
         prepare(cfg, progress=False)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from tenx.data.prepare import PrepareConfig, prepare
-from tenx.data.sources import stdlib_dir
+from tenx.data.sources import copy_stdlib_packages
 from tenx.monitor.events import read_events
 from tenx.triage.classify import format_causes, triage
 from tenx.triage.store import format_incidents
@@ -40,12 +40,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 def prepare_data(out: Path) -> Path:
     """Eight standard-library packages, BPE 2048, in shards of 100k tokens (a fresh copy: it gets damaged)."""
     corpus, data = out / "corpus", out / "data"
-    for pkg in PACKAGES:
-        for src in sorted((stdlib_dir() / pkg).rglob("*.py")):
-            dst = corpus / pkg / src.relative_to(stdlib_dir() / pkg)
-            if not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(src.read_bytes())
+    copy_stdlib_packages(PACKAGES, corpus)
     shutil.rmtree(data, ignore_errors=True)
     cfg = PrepareConfig(
         source=str(corpus), out=str(data), tokenizer="bpe", vocab_size=2048, shard_tokens=100_000

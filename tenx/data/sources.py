@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,19 @@ class RawDocument:
 def stdlib_dir() -> Path:
     """Directory holding the running interpreter's standard library sources."""
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def copy_stdlib_packages(packages: Iterable[str], dest: str | Path) -> Path:
+    """Copy the `.py` files of some standard-library packages under `dest` (files already there are kept):
+    a small real corpus for drills, benchmarks and tests."""
+    dest = Path(dest)
+    for pkg in packages:
+        for src in sorted((stdlib_dir() / pkg).rglob("*.py")):
+            dst = dest / pkg / src.relative_to(stdlib_dir() / pkg)
+            if not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(src.read_bytes())
+    return dest
 
 
 def source_kind(spec: str) -> str:

@@ -246,24 +246,11 @@ def estimate(
     params = count_params(model).total
     per_token = flops_per_token(model)
     tokens_per_step = run.train.micro_batch * model.seq_len * ranks * max(1, run.train.grad_accum)
-    memory = memory_per_rank(
-        model,
-        run.train.micro_batch,
-        strategy,
-        ranks,
-        shard_group=node.accelerators,
-        dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
-        activation_factor=c.activation_factor,
-    )
-    memory["runtime"] = c.runtime_gb * GB
-    memory["total"] += memory["runtime"]
-    capacity = node.memory_gb * GB * c.memory_usable
-    largest = 0
-    for mb in (2**k for k in range(0, 16)):
-        m = memory_per_rank(
+
+    def memory_at(micro_batch: int) -> dict[str, float]:
+        return memory_per_rank(
             model,
-            mb,
+            micro_batch,
             strategy,
             ranks,
             shard_group=node.accelerators,
@@ -271,7 +258,14 @@ def estimate(
             activation_checkpointing=activation_checkpointing,
             activation_factor=c.activation_factor,
         )
-        if m["total"] + memory["runtime"] > capacity:
+
+    memory = memory_at(run.train.micro_batch)
+    memory["runtime"] = c.runtime_gb * GB
+    memory["total"] += memory["runtime"]
+    capacity = node.memory_gb * GB * c.memory_usable
+    largest = 0
+    for mb in (2**k for k in range(0, 16)):
+        if memory_at(mb)["total"] + memory["runtime"] > capacity:
             break
         largest = mb
     peak = (node.peak_tflops_bf16 if dtype == "bf16" else node.peak_tflops_fp32) * 1e12
