@@ -6,8 +6,9 @@ run of identical token ids: a spike, a NaN or a crash depending on the data), on
 parameter (silent data corruption, seen by the consistency self-check, `parallel.consistency.alone`), and
 one `corrupt-shard` (a training shard damaged on disk, skipped by `data.on_corrupt_shard = "skip"`). The
 run restarts after each crash (a crash that repeats at the same step has its data skipped). Triage reads
-only what the run recorded (events, step records, checkpoints, data); the `fault` events are the ground
-truth the drill scores it against, never its evidence.
+only what the run recorded (events, step records, checkpoints, data), never the `fault` events; the drill
+scores each verdict against the fault its incident kind can only come from here (a replica mismatch: the
+bitflip; a corrupt shard: the damaged shard; a crash, NaN or spike: the op-bug).
 
 Baseline: the same run's own training time (the figure to compare triage's time with).
 
@@ -27,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from tenx.data.manifest import MANIFEST_NAME
 from tenx.data.prepare import PrepareConfig, prepare
 from tenx.data.sources import copy_stdlib_packages
-from tenx.monitor.events import read_events
+from tenx.rundir import RunDir
 from tenx.triage.classify import format_causes, triage
 from tenx.triage.store import format_incidents
 
@@ -41,7 +43,7 @@ def prepare_data(out: Path) -> Path:
     """Eight standard-library packages, BPE 2048, in shards of 100k tokens (a fresh copy: it gets damaged)."""
     corpus, data = out / "corpus", out / "data"
     copy_stdlib_packages(PACKAGES, corpus)
-    shutil.rmtree(data, ignore_errors=True)
+    remove_ours(data, data / MANIFEST_NAME)
     cfg = PrepareConfig(
         source=str(corpus), out=str(data), tokenizer="bpe", vocab_size=2048, shard_tokens=100_000
     )
@@ -49,8 +51,19 @@ def prepare_data(out: Path) -> Path:
     return data
 
 
-def expected(event: dict, truth: dict) -> str:
-    """The verdict a correct triage gives an incident of this kind, from the drill's ground truth."""
+def remove_ours(path: Path, marker: Path) -> None:
+    """Delete a directory an earlier drill wrote (it holds `marker`); refuse anything else that is not empty."""
+    if not path.exists():
+        return
+    if not marker.is_file() and any(path.iterdir()):
+        raise SystemExit(
+            f"{path} exists and was not written by this drill (no {marker.name}); choose another --out"
+        )
+    shutil.rmtree(path)
+
+
+def expected(event: dict) -> str:
+    """The verdict a correct triage gives an incident of this kind: the drill's ground truth (its three faults)."""
     kind = event["kind"]
     if kind == "replica-mismatch":
         return "hardware"
@@ -70,7 +83,7 @@ def main() -> None:
     t_start = time.perf_counter()
     out = Path(args.out)
     run_dir = out / "run"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    remove_ours(run_dir, RunDir(run_dir).config)
     data = prepare_data(out)
     faults = [
         f"op-bug@step=1,run={args.run}",
@@ -113,17 +126,16 @@ def main() -> None:
     print()
     print(format_causes(incidents, causes))
 
-    truth = {e["fault_kind"]: e for e in read_events(run_dir) if e.get("kind") == "fault"}
     false_verdicts = [
         {
             "id": i.id,
             "kind": i.kind,
             "step": i.step,
             "verdict": i.verdict,
-            "expected": expected(i.event, truth),
+            "expected": expected(i.event),
         }
         for i in incidents
-        if i.verdict != expected(i.event, truth)
+        if i.verdict != expected(i.event)
     ]
     per = sorted(seconds.values())
     wall_s = time.perf_counter() - t_start
@@ -136,14 +148,14 @@ def main() -> None:
         print(
             f"  false verdict: incident {f['id']} ({f['kind']}, step {f['step']}): {f['verdict']}, expected {f['expected']}"
         )
-    symptoms = sorted({i.kind for i in incidents if expected(i.event, truth) == "library-op"})
+    symptoms = sorted({i.kind for i in incidents if expected(i.event) == "library-op"})
     print(
         json.dumps(
             {
                 "incidents": len(incidents),
                 "root_causes": len(causes),
                 "causes": [c.summary() for c in causes],
-                "op_bug_incidents": sum(expected(i.event, truth) == "library-op" for i in incidents),
+                "op_bug_incidents": sum(expected(i.event) == "library-op" for i in incidents),
                 "op_bug_symptoms": symptoms,
                 "false_verdicts": len(false_verdicts),
                 "triage_s": round(triage_s, 2),

@@ -11,7 +11,6 @@ byte leave those documents out.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -172,23 +171,21 @@ def contamination_report(data_dir: Path, docs: list[Document], n: int, threshold
         print(f"tenx eval: building the {n}-gram index of the training split of {data_dir}")
         ngrams.build_index(data_dir, n)
         index = ngrams.load_index(data_dir, n)
-    found = np.zeros(len(docs), dtype=np.int64)
-    total = np.zeros(len(docs), dtype=np.int64)
-    for i, doc in enumerate(docs):
-        found[i], total[i] = index.overlap(doc.tokens)
-    fraction = np.where(total > 0, found / np.maximum(total, 1), 0.0)
-    flagged = fraction > threshold
-    n_bytes = np.array([d.num_bytes for d in docs], dtype=np.int64)
+    found = ngrams.contamination(
+        index, [d.tokens for d in docs], threshold, document_bytes=[d.num_bytes for d in docs]
+    )
+    flagged = np.array(found["contaminated"], dtype=bool)
+    fraction = np.array(found["overlap"], dtype=np.float64)
     worst = int(np.argmax(fraction)) if len(docs) else None
     return {
         "n": n,
         "threshold": threshold,
         "documents": len(docs),
-        "contaminated_documents": int(flagged.sum()),
+        "contaminated_documents": found["documents_contaminated"],
         "contaminated_fraction": float(flagged.mean()) if len(docs) else 0.0,
-        "contaminated_bytes": int(n_bytes[flagged].sum()),
-        "contaminated_bytes_fraction": float(n_bytes[flagged].sum() / max(1, n_bytes.sum())),
-        "shared_ngram_fraction": float(found.sum() / max(1, total.sum())),
+        "contaminated_bytes": found["bytes_contaminated"],
+        "contaminated_bytes_fraction": found["bytes_contaminated"] / max(1, found["bytes"]),
+        "shared_ngram_fraction": found["ngrams_found"] / max(1, found["ngrams"]),
         "most_contaminated": (
             {"document": docs[worst].name, "shared_fraction": float(fraction[worst])}
             if worst is not None
@@ -197,7 +194,3 @@ def contamination_report(data_dir: Path, docs: list[Document], n: int, threshold
         "contaminated_names": [docs[i].name for i in np.flatnonzero(flagged)[:20]],
         "_flags": flagged,
     }
-
-
-def finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
