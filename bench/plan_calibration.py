@@ -5,7 +5,7 @@ torchrun over gloo) and measures the median step time and the peak resident memo
 (tenx/plan/calibrate.py). The cluster is configs/clusters/cpu.toml. First the predictions with the file's
 default factors; then the factors are fitted (the single-process tiny and quickstart cases give the step
 overhead, compute efficiency, runtime memory and activation factor; the 2-rank tiny DDP case gives the
-per-collective latency) and every case is predicted again (fitted cases are marked *).
+per-collective latency and the communicator's memory) and every case is predicted again (fitted cases are marked *).
 
 Baseline: the measurement itself, in the same process tree.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
 from tenx.data.sources import copy_stdlib_packages
-from tenx.plan.calibrate import compare, fit, fit_latency, measure, save_calibration
+from tenx.plan.calibrate import compare, fit_all, measure, save_calibration
 from tenx.plan.estimate import load_cluster
 from tenx.train.config import load_run_config, resolve_config_path
 
@@ -71,11 +71,11 @@ def main() -> None:
 
     cluster = load_cluster("cpu")
     before = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
-    factors = fit([(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] == 1], cluster)
-    for key, value in factors.items():
-        setattr(cluster.cluster, key, value)
-    multi = [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] > 1]
-    factors["collective_latency_s"] = cluster.cluster.collective_latency_s = fit_latency(multi, cluster)
+    factors = fit_all(
+        [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] == 1],
+        [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] > 1],
+        cluster,
+    )
     after = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
     print(f"\nfitted on {', '.join(n for n, *_, f in measured if f)}: {factors}")
     print(

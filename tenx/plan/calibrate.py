@@ -2,7 +2,9 @@
 
 A measurement trains the config for a few steps in a fresh process (under torchrun for several ranks, one
 thread each) and reports the median step time after two warm-up steps and the peak resident memory the
-training added (the process's peak RSS minus its RSS after importing torch and tenx). The fit: the compute
+training added (the process's peak RSS minus its RSS after importing torch and tenx); the last step takes
+the model statistics, as every `monitor.stats_every`-th step of a run does, so their memory is in the peak
+(the estimate counts them when `monitor.stats_every` > 0). The fit: the compute
 efficiency that makes the predicted step time equal the measured one, and the activation factor that makes
 the predicted memory equal the measured one (the part of it the formula attributes to activations). The
 factors are kept per machine in TENX_CACHE_DIR/plan-calibration.json and applied by `tenx plan` to the
@@ -80,6 +82,7 @@ def measure(
             "log.prequential_xz_mb=0",
             "train.threads=1",
             f"parallel.strategy={strategy}",
+            f"monitor.stats_every={steps}",  # the last step takes the statistics (its memory; not in the median)
         ]
         code = "import sys, json; from tenx.plan.calibrate import _worker; _worker(*json.loads(sys.argv[1]))"
         payload = json.dumps([config, settings, str(Path(tmp) / "run")])
@@ -134,9 +137,16 @@ def fit(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) -> dict[
         times.append([1.0, plan.compute_s * cluster.cluster.compute_efficiency])  # seconds at 100% of peak
         spent.append(measured["step_s"])
         m = plan.memory_per_rank
-        activations = (m["activations"] + m["logits"]) / cluster.cluster.activation_factor
-        fixed = m["total"] - m["activations"] - m["logits"] - m["runtime"]
-        rows.append([1.0, activations])
+        transient = m["activations"] + m["logits"] + m["loss_backward"]
+        fixed = m["total"] - m["runtime"] - transient
+        if (
+            fixed + transient
+            > m["parameters"] + m["optimizer"] + m["gathered"] + m["gradients"] + m["update"]
+        ):
+            rows.append([1.0, transient / cluster.cluster.activation_factor])  # the peak is in the backward
+        else:
+            rows.append([1.0, 0.0])  # the peak is at the update: only the runtime memory is unknown
+            fixed += transient
         targets.append(measured["memory"] - fixed)
     (runtime, factor), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
     (overhead, slowdown), *_ = np.linalg.lstsq(np.array(times), np.array(spent), rcond=None)
@@ -148,9 +158,10 @@ def fit(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) -> dict[
     }
 
 
-def fit_latency(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) -> float:
-    """The per-collective latency that makes measured multi-rank cases exact on average (least squares)."""
-    excess, counts = 0.0, 0.0
+def fit_latency(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) -> dict[str, float]:
+    """From measured multi-rank cases: the per-collective latency that makes their step times exact on
+    average (least squares), and the communicator's memory per rank (the mean of what the estimate lacks)."""
+    excess, counts, memory = 0.0, 0.0, []
     for run, vocab, measured in cases:
         plan = estimate(
             run, cluster, vocab=vocab, strategy=measured["strategy"], ranks=measured["ranks"], dtype="fp32"
@@ -158,7 +169,29 @@ def fit_latency(cases: list[tuple[Any, int, dict[str, Any]]], cluster: Cluster) 
         n = plan.communication["collectives"]
         excess += n * (measured["step_s"] - (plan.step_s - plan.communication["latency_s"]))
         counts += n * n
-    return max(0.0, excess / counts) if counts else 0.0
+        without = plan.memory_per_rank["total"] / GB - cluster.cluster.communicator_gb
+        memory.append(measured["memory"] / GB - without)
+    return {
+        "collective_latency_s": max(0.0, excess / counts) if counts else 0.0,
+        "communicator_gb": max(0.0, sum(memory) / len(memory)) if memory else 0.0,
+    }
+
+
+def fit_all(
+    single: list[tuple[Any, int, dict[str, Any]]],
+    multi: list[tuple[Any, int, dict[str, Any]]],
+    cluster: Cluster,
+) -> dict[str, float]:
+    """`fit` on the single-rank cases, then `fit_latency` on the multi-rank ones (if any), each set on
+    `cluster` as it is fitted; the factors."""
+    factors = fit(single, cluster)
+    if multi:
+        for key, value in factors.items():
+            setattr(cluster.cluster, key, value)
+        factors.update(fit_latency(multi, cluster))
+    for key, value in factors.items():
+        setattr(cluster.cluster, key, value)
+    return factors
 
 
 def calibration_path() -> Path:
@@ -197,8 +230,49 @@ def apply_calibration(cluster: Cluster) -> bool:
         ("runtime_gb", 1e4),
         ("step_overhead_s", 1e3),
         ("collective_latency_s", 10.0),
+        ("communicator_gb", 1e3),
     ):
         value = factors.get(key)
         if isinstance(value, (int, float)) and 0 <= value <= top:
             setattr(cluster.cluster, key, float(value))
     return True
+
+
+def calibrate(
+    config: str,
+    overrides: list[str],
+    cluster: Cluster,
+    vocab: int,
+    *,
+    ranks: int = 1,
+    strategy: str = "ddp",
+    steps: int = 6,
+    progress: Any = print,
+) -> dict[str, Any]:
+    """`tenx plan --measure`: measure `config` in one process at its micro-batch and at twice it (two points
+    fit the overhead and efficiency of time, the runtime memory and activation factor), and under torchrun
+    with `ranks` ranks when more than one (fits the per-collective latency); predicted over measured before
+    and after the fit, and the fitted factors (set on `cluster`)."""
+    from tenx.train.config import load_run_config, resolve_config_path
+
+    overrides = [*overrides, "train.precision='fp32'"]  # the estimate's dtype on a CPU
+    base = load_run_config(resolve_config_path(config), overrides)
+    cases = []
+    b = base.train.micro_batch
+    for mb, n in [(b, 1), (2 * b, 1)] + ([(b, ranks)] if ranks > 1 else []):
+        settings = [*overrides, f"train.micro_batch={mb}"]
+        run = load_run_config(resolve_config_path(config), settings)
+        measured = measure(config, settings, ranks=n, strategy=strategy if n > 1 else "ddp", steps=steps)
+        progress(
+            f"measured micro-batch {mb} on {n} rank{'s' * (n > 1)}: {measured['step_s']:.4f} s/step, "
+            f"{measured['memory'] / GB:.3f} GB"
+        )
+        cases.append((f"micro-batch {mb} x{n}", run, measured))
+    before = {name: compare(run, cluster, vocab, m) for name, run, m in cases}
+    factors = fit_all(
+        [(run, vocab, m) for _, run, m in cases if m["ranks"] == 1],
+        [(run, vocab, m) for _, run, m in cases if m["ranks"] > 1],
+        cluster,
+    )
+    after = {name: compare(run, cluster, vocab, m) for name, run, m in cases}
+    return {"cases": [name for name, *_ in cases], "before": before, "after": after, "factors": factors}

@@ -12,7 +12,7 @@ from typing import Any
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx plan` and its subcommands on the CLI's subparsers."""
-    from tenx.plan import failsim, shapes
+    from tenx.plan import choose, failsim, shapes
 
     parser = subparsers.add_parser(
         "plan", help="co-design a run: memory, time, communication, GEMM shapes, failures at scale"
@@ -41,10 +41,21 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--diloco-every", type=int, default=0, help="DiLoCo: steps between cross-cluster syncs"
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="train the config a few steps here (micro-batch B and 2B on one process, and --ranks processes "
+        "if more than 1), compare with the prediction, fit and keep the cluster's factors",
+    )
+    parser.add_argument("--steps", type=int, default=6, help="--measure: steps per measurement")
+    parser.add_argument(
+        "--no-calibration", action="store_true", help="use the cluster file's factors, not the measured ones"
+    )
     parser.add_argument("--json", help="also write the plan as JSON here")
     sub = parser.add_subparsers(dest="plan_command")
     shapes.add_parser(sub)
     failsim.add_parser(sub)
+    choose.add_parser(sub)
     parser.set_defaults(func=cmd_plan)
     return parser
 
@@ -52,7 +63,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_plan(args: argparse.Namespace) -> None:
     """`tenx plan --config CFG --cluster CLUSTER`: the estimate, printed (and written as JSON with --json)."""
     from tenx.errors import TenxError
-    from tenx.plan.estimate import estimate, format_plan, load_cluster
+    from tenx.plan.calibrate import apply_calibration, calibration_path
+    from tenx.plan.estimate import estimate, format_plan, load_cluster, vocab_of
     from tenx.train.config import load_run_config, resolve_config_path
     from tenx.utils.io import atomic_write_json
 
@@ -61,8 +73,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
             "tenx plan needs --config CFG and --cluster CLUSTER (or a subcommand: shapes, failures)"
         )
     run = load_run_config(resolve_config_path(args.config), args.set)
-    vocab = args.vocab or _vocab_of(run)
+    vocab = args.vocab or vocab_of(run)
     cluster = load_cluster(args.cluster)
+    calibration = None
+    if args.measure:
+        calibration = _measure(args, cluster, vocab)
+    elif not args.no_calibration and apply_calibration(cluster):
+        print(
+            f"factors of {cluster.name!r} measured on this machine: {calibration_path()} (--no-calibration)"
+        )
     plan = estimate(
         run,
         cluster,
@@ -76,16 +95,29 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     print(format_plan(plan, cluster))
     if args.json:
-        atomic_write_json(Path(args.json), {"cluster": cluster.name, "vocab": vocab, **plan.to_dict()})
+        record = {"cluster": cluster.name, "vocab": vocab, **plan.to_dict()}
+        atomic_write_json(Path(args.json), {**record, "calibration": calibration} if calibration else record)
         print(f"wrote {args.json}")
 
 
-def _vocab_of(run: Any) -> int:
-    """The vocabulary of the run's prepared data, else its model.vocab_size, else GPT-2's."""
-    from tenx.data.manifest import read_manifest
-    from tenx.errors import DataError
+def _measure(args: argparse.Namespace, cluster: Any, vocab: int) -> dict[str, Any]:
+    """`--measure`: predicted against measured before and after fitting; the factors are kept."""
+    from tenx.errors import ConfigError
+    from tenx.plan.calibrate import calibrate, save_calibration
 
-    try:
-        return int(read_manifest(run.data.dir)["tokenizer"]["vocab_size"])
-    except (DataError, OSError, KeyError, ValueError):
-        return int(run.model.vocab_size or 50257)
+    if not 1 <= (args.ranks or 1) <= 8:
+        raise ConfigError(f"--measure runs at most 8 ranks on this machine, got --ranks {args.ranks}")
+    print(f"measuring {args.config} on this machine ({args.steps} steps per case) ...", flush=True)
+    result = calibrate(
+        args.config, args.set, cluster, vocab, ranks=args.ranks or 1, strategy=args.strategy, steps=args.steps
+    )
+    print(f"{'case':<22}{'time pred/meas':>16}{'memory pred/meas':>18}   (before -> after the fit)")
+    for name in result["cases"]:
+        b, a = result["before"][name], result["after"][name]
+        print(
+            f"{name:<22}{b['step_time_ratio']:>8.2f} -> {a['step_time_ratio']:<5.2f}"
+            f"{b['memory_ratio']:>10.2f} -> {a['memory_ratio']:<5.2f}"
+        )
+    path = save_calibration(cluster.name, result["factors"])
+    print(f"fitted {result['factors']}\nkept in {path} for clusters named {cluster.name!r}")
+    return result

@@ -8,6 +8,7 @@ Memory per rank (bytes; P parameters, W data-parallel ranks, S ranks per shard g
 | gradients (fp32) | 4P | 4P/W | 4P/S |
 | AdamW state (two fp32 moments) | 8P | 8P/W | 8P/S |
 | gathered parameters in flight (FSDP) | 0 | 2 blocks' 4P_block | same |
+| reducer buckets (DDP, W > 1) | 4P | 0 | 0 |
 
 Activations per micro-batch of b sequences of s tokens, per layer: Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", Table 2) count s·b·h·(34 + 5·a·s/h) bytes with
@@ -16,7 +17,16 @@ s x s score matrix; counting the tensors autograd saves (PyTorch's saved-tensor 
 gives 58 to 61 bytes per token per unit of width per layer in fp32 (tiny, quickstart, gpt2-d12): 15 values
 of h per token, so `15·h·bytes(dtype)` per token and layer, times `activation_factor`. With activation
 checkpointing each layer keeps only its input (bytes(dtype)·h per token) and one layer is recomputed at a
-time. The output layer adds the fp32 logits and their log-softmax: 2·4·V per token.
+time. The output layer adds the fp32 logits and their log-softmax: 2·4·V per token; while the loss's
+backward runs, the gradients of both are alive too (another 2·4·V per token; measured by tracking every
+tensor's storage through a TorchDispatchMode: the step's peak on tiny and quickstart is there).
+
+The peak of a step is the states (parameters, optimizer moments, gathered FSDP blocks) plus the larger of
+two transients: the loss's backward (every activation, the logits and their gradients; the gradients only
+if earlier micro-batches accumulated them, since they are set to None after each step) and the update
+(the gradients, AdamW's temporaries of one fp32 value per parameter, fused or not, and on a statistics
+step, `monitor.stats_every`, the statistics' fp32 snapshot of the parameters; on gpt2-d12 the update is
+where the peak is: 24 bytes per parameter).
 
 Time per step: compute = FLOPs per token (tenx.model.flops, attention included, x3 for forward and
 backward) x tokens per rank / (peak FLOP/s x `compute_efficiency`); communication (ring collectives, bytes
@@ -92,6 +102,9 @@ class ClusterSpec:
         ge=0,
         help="memory a training process holds besides the model's tensors (allocator, kernels, data), GB",
     )
+    communicator_gb: float = field(
+        0.0, ge=0, help="memory the process group's communicator adds per rank when ranks > 1 (buffers), GB"
+    )
 
     def validate(self) -> None:
         cfglib.check_bounds(self, "cluster")
@@ -138,8 +151,10 @@ def memory_per_rank(
     dtype: str = "fp32",
     activation_checkpointing: bool = False,
     activation_factor: float = 1.0,
+    grad_accum: int = 1,
+    statistics: bool = False,
 ) -> dict[str, float]:
-    """Bytes per rank by part (see the module doc) and their total."""
+    """Bytes per rank by part (see the module doc) and the peak of a step (`total`, see `peak_of`)."""
     params = count_params(model).total
     assert model.d_model and model.depth and model.vocab_size
     if strategy == "ddp" or ranks == 1:
@@ -165,11 +180,28 @@ def memory_per_rank(
         "gradients": 4 * params / shard,
         "optimizer": 8 * params / shard,
         "gathered": 2 * 4 * block_params if shard > 1 else 0.0,
+        # DDP's reducer all-reduces flat fp32 buckets beside the gradients (gradient_as_bucket_view off)
+        "buckets": 4 * params if strategy == "ddp" and ranks > 1 else 0.0,
         "activations": activations,
         "logits": logits,
+        # the log-softmax's backward holds the gradients of its output and of the logits (fp32) at once
+        "loss_backward": tokens * model.vocab_size * 4 * 2 * activation_factor,
+        # at the update: AdamW's temporaries (fused and foreach alike, one fp32 value per local parameter) and,
+        # on a statistics step (monitor.stats_every > 0), the statistics' snapshot of the parameters
+        "update": 4 * params / shard * (2 if statistics else 1),
     }
-    parts["total"] = sum(parts.values())
+    parts["total"] = peak_of(parts, grad_accum)
     return parts
+
+
+def peak_of(parts: dict[str, float], grad_accum: int = 1) -> float:
+    """Peak bytes of a step: the states plus the larger of the two transients (module doc). In the loss's
+    backward every activation is alive and the gradients are not yet (set to None after each step) unless
+    earlier micro-batches accumulated them; at the update the gradients and the update's copy are."""
+    states = parts["parameters"] + parts["optimizer"] + parts["gathered"] + parts["buckets"]
+    backward = parts["activations"] + parts["logits"] + parts["loss_backward"]
+    backward += parts["gradients"] if grad_accum > 1 else 0.0
+    return states + max(backward, parts["gradients"] + parts["update"])
 
 
 def communication_per_step(
@@ -257,10 +289,12 @@ def estimate(
             dtype=dtype,
             activation_checkpointing=activation_checkpointing,
             activation_factor=c.activation_factor,
+            grad_accum=max(1, run.train.grad_accum),
+            statistics=run.monitor.stats_every > 0,
         )
 
     memory = memory_at(run.train.micro_batch)
-    memory["runtime"] = c.runtime_gb * GB
+    memory["runtime"] = (c.runtime_gb + (c.communicator_gb if ranks > 1 else 0.0)) * GB
     memory["total"] += memory["runtime"]
     capacity = node.memory_gb * GB * c.memory_usable
     largest = 0
@@ -317,7 +351,7 @@ def format_plan(plan: Plan, cluster: Cluster) -> str:
         f"cluster {cluster.name}: {plan.ranks} ranks ({plan.strategy})",
         f"parameters {plan.params:,}; {plan.flops_per_token:.3g} FLOPs per token (forward + backward)",
         "memory per rank: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in m.items() if k != "total"),
-        f"  total {m['total'] / GB:.2f} GB of {plan.memory_capacity / GB:.1f} GB usable: "
+        f"  peak {m['total'] / GB:.2f} GB (states + the larger transient) of {plan.memory_capacity / GB:.1f} GB usable: "
         + ("fits" if plan.fits else "DOES NOT FIT")
         + f"; largest micro-batch that fits: {plan.largest_micro_batch}",
         f"step: compute {plan.compute_s:.3g} s, communication {plan.communication['seconds']:.3g} s "
@@ -330,3 +364,14 @@ def format_plan(plan: Plan, cluster: Cluster) -> str:
             f"across clusters: sync {x['sync_seconds_per_step']:.3f} s/step, DiLoCo {x['diloco_seconds_per_step']:.4f} s/step"
         )
     return "\n".join(lines)
+
+
+def vocab_of(run: Any) -> int:
+    """The vocabulary of the run's prepared data, else its model.vocab_size, else GPT-2's."""
+    from tenx.data.manifest import read_manifest
+    from tenx.errors import DataError
+
+    try:
+        return int(read_manifest(run.data.dir)["tokenizer"]["vocab_size"])
+    except (DataError, OSError, KeyError, ValueError):
+        return int(run.model.vocab_size or 50257)

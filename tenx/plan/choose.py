@@ -1,0 +1,193 @@
+"""`tenx plan choose`: which (N, D, parallelism) to run for a compute budget on a cluster, from a fitted law.
+
+For each model size of the base config's family (its depth varied, width and heads derived from depth as
+the ladder does) and each data-parallel strategy (DDP, FSDP2, HSDP), the estimate of tenx/plan/estimate.py
+checks memory (the largest micro-batch that fits, at most the config's) and gives the step time, hence
+tokens per day. D is the budget divided by the model's training FLOPs per token (attention included), or
+what fits in `--days` when that is less. The fit from `tenx fit` (an L(N, D) law: chinchilla or
+data-constrained) predicts the final loss. Choices are ranked by predicted final loss (losses within 0.1%
+of each other count as equal), then by wall-clock days: the best model the budget (and the days) buys, and
+the fastest way to train it on this cluster. Sizes from N*/8 to 8 N* (N*: the fit's compute-optimal size)
+a factor sqrt(2) apart are tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tenx.errors import ConfigError
+
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+SPAN = 8.0
+"""Sizes between N*/SPAN and SPAN x N* (N*: the fit's compute-optimal size), a factor sqrt(2) apart."""
+TIE = 1e-3
+"""Predicted losses this close (relative; far below any fit's own uncertainty) rank as equal."""
+
+
+def load_fit(path: str | Path) -> Any:
+    """The L(N, D) law of a `tenx fit` report (its `fit` entry); errors name the file and the field."""
+    import numpy as np
+
+    from tenx.scaling.fit.laws import FitResult
+
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--fit {path}: no such file; run `tenx fit LADDER_DIR` to write one") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--fit {path}: not a readable JSON report ({e})") from None
+    fit = report.get("fit") if isinstance(report, dict) else None
+    if not isinstance(fit, dict):
+        raise ConfigError(f"--fit {path}: no 'fit' object: is this a `tenx fit` report?")
+    law, params = fit.get("law"), fit.get("params")
+    if law not in ("chinchilla", "data-constrained"):
+        raise ConfigError(
+            f"--fit {path}: fit.law is {law!r}; choosing N and D needs an L(N, D) law "
+            "(`tenx fit --law chinchilla`)"
+        )
+    names = ("E", "A", "B", "alpha", "beta")
+    if not isinstance(params, dict) or not all(isinstance(params.get(k), (int, float)) for k in names):
+        raise ConfigError(f"--fit {path}: fit.params must hold numbers {', '.join(names)}")
+    if not all(math.isfinite(params[k]) and params[k] > 0 for k in names[1:]) or params["E"] < 0:
+        raise ConfigError(f"--fit {path}: fit.params must be positive and finite, got {params}")
+    if law == "data-constrained" and not isinstance(params.get("R_D_star"), (int, float)):
+        raise ConfigError(f"--fit {path}: a data-constrained fit needs fit.params.R_D_star")
+    order = names + (("R_D_star",) if law == "data-constrained" else ())  # the law's column order
+    values = {k: float(params[k]) for k in order}
+    return FitResult(law, str(fit.get("form", "")), values, {}, np.zeros((0, len(values))), 0, 0.0)
+
+
+def choose(
+    run: Any,
+    cluster: Any,
+    fit: Any,
+    budget: float,
+    *,
+    vocab: int,
+    days: float | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+    max_depth: int = 128,
+) -> dict[str, Any]:
+    """Every candidate (size, strategy) with its memory check, step time, days and predicted loss, best first."""
+    from tenx.model.flops import count_params, flops_per_token
+    from tenx.plan.estimate import estimate
+    from tenx.scaling.fit.frontier import compute_optimal
+    from tenx.scaling.planner import shape_for_depth
+
+    if not budget > 0 or not math.isfinite(budget):
+        raise ConfigError(f"--budget must be a positive number of FLOPs, got {budget}")
+    if days is not None and not days > 0:
+        raise ConfigError(f"--days must be positive, got {days}")
+    optimal = compute_optimal(fit, budget)
+    n_star = optimal["N"]
+    sizes = {
+        depth: count_params(shape_for_depth(run.model, depth, vocab)).total
+        for depth in range(1, max_depth + 1)
+    }
+    grid = [n_star * 2 ** (k / 2) for k in range(-6, 7)]  # N*/8 .. 8 N* in steps of sqrt(2)
+    depths = sorted({min(sizes, key=lambda d: abs(math.log(sizes[d] / n))) for n in grid})
+    rows: list[dict[str, Any]] = []
+    for depth in depths:
+        model = shape_for_depth(run.model, depth, vocab)
+        n = sizes[depth]
+        if not n_star / SPAN / 1.5 <= n <= SPAN * n_star * 1.5:
+            continue
+        per_token = flops_per_token(model)
+        candidate = dataclasses.replace(run, model=model)
+        for strategy in strategies:
+            plan = estimate(candidate, cluster, vocab=vocab, strategy=strategy)
+            row: dict[str, Any] = {"depth": depth, "d_model": model.d_model, "N": n, "strategy": strategy}
+            micro = min(plan.largest_micro_batch, run.train.micro_batch)
+            if micro == 0:
+                rows.append({**row, "fits": False, "memory_gb": plan.memory_per_rank["total"] / 1e9})
+                continue
+            train = dataclasses.replace(run.train, micro_batch=micro, grad_accum=1)
+            plan = estimate(
+                dataclasses.replace(candidate, train=train), cluster, vocab=vocab, strategy=strategy
+            )
+            tokens = budget / per_token
+            if days is not None:
+                tokens = min(tokens, plan.tokens_per_day * days)
+            rows.append(
+                {
+                    **row,
+                    "fits": True,
+                    "micro_batch": micro,
+                    "memory_gb": plan.memory_per_rank["total"] / 1e9,
+                    "D": tokens,
+                    "tokens_per_param": tokens / n,
+                    "mfu": plan.mfu,
+                    "tokens_per_day": plan.tokens_per_day,
+                    "days": tokens / plan.tokens_per_day,
+                    "loss": float(fit.predict(N=n, D=tokens)),
+                }
+            )
+    rows.sort(key=lambda r: (not r["fits"], _loss_bucket(r.get("loss")), r.get("days", math.inf)))
+    return {"budget": budget, "days_limit": days, "compute_optimal": optimal, "choices": rows}
+
+
+def _loss_bucket(loss: float | None) -> float:
+    """Losses within TIE of each other rank as equal (then the fewer days win); inf for no loss."""
+    return math.inf if loss is None else math.floor(math.log(loss) / math.log1p(TIE))
+
+
+def format_choices(result: dict[str, Any], top: int = 12) -> str:
+    """The ranking as a table (the best `top` that fit, then how many did not)."""
+    opt = result["compute_optimal"]
+    lines = [
+        f"budget {result['budget']:.3g} FLOPs; the fit's compute-optimal point: N {opt['N']:.3g}, "
+        f"D {opt['D']:.3g}, loss {opt['loss']:.4f}"
+        + (f"; at most {result['days_limit']:g} days" if result["days_limit"] else ""),
+        f"{'rank':>4} {'depth':>5} {'d_model':>7} {'N':>9} {'strategy':>8} {'micro':>5} {'mem GB':>7} "
+        f"{'D':>9} {'D/N':>6} {'MFU':>6} {'days':>8} {'loss':>7}",
+    ]
+    fitting = [r for r in result["choices"] if r["fits"]]
+    for i, r in enumerate(fitting[:top], 1):
+        lines.append(
+            f"{i:>4} {r['depth']:>5} {r['d_model']:>7} {r['N']:>9.3g} {r['strategy']:>8} {r['micro_batch']:>5} "
+            f"{r['memory_gb']:>7.2f} {r['D']:>9.3g} {r['tokens_per_param']:>6.1f} {100 * r['mfu']:>5.1f}% "
+            f"{r['days']:>8.3g} {r['loss']:>7.4f}"
+        )
+    skipped = len(result["choices"]) - len(fitting)
+    if skipped:
+        lines.append(f"({skipped} choices do not fit in memory even at micro-batch 1)")
+    if not fitting:
+        lines.append("no choice fits: shard more (fsdp), add accelerators, or a smaller budget")
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    """Register `tenx plan choose`."""
+    p = sub.add_parser("choose", help="rank (N, D, parallelism) for a compute budget by predicted loss")
+    p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
+    p.add_argument("--fit", required=True, help="a `tenx fit` report (JSON) of an L(N, D) law")
+    p.add_argument("--budget", required=True, type=float, help="training compute, FLOPs (e.g. 1e21)")
+    p.add_argument("--days", type=float, help="wall-clock limit: D is cut to what fits in it")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's data, else 50257)")
+    p.add_argument("--top", type=int, default=12, help="rows to print")
+    p.add_argument("--json", help="also write every choice as JSON here")
+    p.set_defaults(func=cmd_choose)
+
+
+def cmd_choose(args: argparse.Namespace) -> None:
+    from tenx.plan.estimate import load_cluster, vocab_of
+    from tenx.train.config import load_run_config, resolve_config_path
+    from tenx.utils.io import atomic_write_json
+
+    run = load_run_config(resolve_config_path(args.config), args.set)
+    vocab = args.vocab or vocab_of(run)
+    result = choose(
+        run, load_cluster(args.cluster), load_fit(args.fit), args.budget, vocab=vocab, days=args.days
+    )
+    print(format_choices(result, args.top))
+    if args.json:
+        atomic_write_json(Path(args.json), result)
+        print(f"wrote {args.json}")
