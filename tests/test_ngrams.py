@@ -16,9 +16,9 @@ from tenx.data.manifest import INDEX_DTYPE, SPLITS, np_dtype, read_manifest
 from tenx.data.ngrams import (
     DEFAULT_CONTAMINATION_THRESHOLD,
     Decontamination,
-    _fmix64,
     contamination,
     decontaminate,
+    fmix64,
     index_paths,
     load_index,
     ngram_hashes,
@@ -67,9 +67,9 @@ def test_ngram_hashes_follow_the_documented_chain() -> None:
         tokens = rng.integers(0, 70_000, length).astype(np.uint32)
         expected = []
         for i in range(len(tokens) - n + 1):
-            h = _fmix64(np.array([n], dtype=np.uint64))
+            h = fmix64(np.array([n], dtype=np.uint64))
             for t in tokens[i : i + n]:
-                h = _fmix64(h ^ np.uint64(t))
+                h = fmix64(h ^ np.uint64(t))
             expected.append(int(h[0]))
         assert ngram_hashes(tokens, n).tolist() == expected
         assert ngram_hashes(tokens.astype(np.uint16) % 65_000, n).dtype == np.uint64

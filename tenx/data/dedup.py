@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from datasketch import MinHash, MinHashLSH
+from datasketch import MinHash
 from tqdm import tqdm
 
 from tenx.data.ngrams import sorted_unique
@@ -92,44 +92,92 @@ def lsh_bands(threshold: float) -> tuple[int, int]:
     return NUM_PERM, 1
 
 
+def permutations() -> Any:
+    """The MinHash permutations every signature uses (datasketch's, seeded)."""
+    return MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED, scheme="affine64").permutations
+
+
+def signature(text: str, shingle: int, perms: Any) -> np.ndarray | None:
+    """The NUM_PERM-value MinHash signature of the shingle set of `text`, None when it has no words."""
+    shingles = shingle_hashes(text, shingle)
+    if not len(shingles):
+        return None
+    minhash = MinHash(
+        num_perm=NUM_PERM, seed=MINHASH_SEED, hashfunc=int, scheme="affine64", permutations=perms
+    )
+    for start in range(0, len(shingles), _CHUNK):
+        minhash.update_batch(shingles[start : start + _CHUNK].tolist())
+    return minhash.hashvalues.astype(np.uint64)
+
+
 def find_near_duplicates(
     texts: Sequence[str], threshold: float, shingle: int = 5, progress: bool = False
 ) -> list[list[int]]:
     """Groups (two or more indices into `texts`, ascending; groups ordered by first index) of documents whose
     shingle sets have an estimated Jaccard similarity >= `threshold`, closed under chaining."""
-    permutations = MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED, scheme="affine64").permutations
-    lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM, params=lsh_bands(threshold))
+    perms = permutations()
     signatures = np.zeros((len(texts), NUM_PERM), dtype=np.uint64)
-    parent = list(range(len(texts)))
+    valid = np.zeros(len(texts), dtype=bool)
+    for i, text in enumerate(
+        tqdm(texts, desc="near-duplicates", unit="doc", disable=not progress, file=sys.stderr)
+    ):
+        sig = signature(text, shingle, perms)
+        if sig is not None:
+            signatures[i], valid[i] = sig, True
+    return groups_from_signatures(signatures, valid, threshold)
+
+
+def groups_from_signatures(signatures: Any, valid: np.ndarray, threshold: float) -> list[list[int]]:
+    """Near-duplicate groups from MinHash signatures (rows of an array or a memory map; `valid`: rows of
+    documents that have words): the LSH of `lsh_bands` makes pairs sharing a band candidates (as
+    datasketch's MinHashLSH does: a band matches when its values are equal), a candidate pair is kept when
+    its signatures agree on at least `threshold` of their values, and groups are the connected components
+    (union-find). Memory: one uint64 key per row and band at a time, plus the rows a candidate bucket reads."""
+    rows = len(valid)
+    bands, width = lsh_bands(threshold)
+    parent = np.arange(rows)
 
     def root(i: int) -> int:
         while parent[i] != i:
             parent[i] = parent[parent[i]]
-            i = parent[i]
+            i = int(parent[i])
         return i
 
-    for i, text in enumerate(
-        tqdm(texts, desc="near-duplicates", unit="doc", disable=not progress, file=sys.stderr)
-    ):
-        shingles = shingle_hashes(text, shingle)
-        if not len(shingles):
-            continue
-        minhash = MinHash(
-            num_perm=NUM_PERM, seed=MINHASH_SEED, hashfunc=int, scheme="affine64", permutations=permutations
-        )
-        for start in range(0, len(shingles), _CHUNK):
-            minhash.update_batch(shingles[start : start + _CHUNK].tolist())
-        signatures[i] = minhash.hashvalues
-        # Querying before inserting finds each candidate pair once, from its later member.
-        for j in lsh.query(minhash):
-            if np.mean(signatures[i] == signatures[j]) >= threshold:
-                parent[root(i)] = root(j)
-        lsh.insert(i, minhash, check_duplication=False)
-
+    index = np.flatnonzero(valid)
+    for band in range(bands):
+        keys = np.empty(len(index), dtype=np.uint64)
+        for start in range(0, len(index), 1 << 16):  # rows read from a memory map in slices
+            block = np.asarray(
+                signatures[index[start : start + (1 << 16)], band * width : (band + 1) * width]
+            )
+            keys[start : start + len(block)] = _band_keys(block)
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        cuts = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+        for members in np.split(order, cuts):
+            if len(members) < 2:
+                continue
+            rows_of = np.sort(index[members])
+            sigs = np.asarray(signatures[rows_of])
+            for a in range(len(rows_of)):
+                same = (sigs[a + 1 :] == sigs[a]).mean(axis=1) >= threshold
+                for b in np.flatnonzero(same) + a + 1:
+                    parent[root(int(rows_of[b]))] = root(int(rows_of[a]))
     groups: dict[int, list[int]] = {}
-    for i in range(len(texts)):
+    for i in range(rows):
         groups.setdefault(root(i), []).append(i)
     return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: g[0])
+
+
+def _band_keys(block: np.ndarray) -> np.ndarray:
+    """One uint64 per row of a band's values (equal values give equal keys; a chance collision only costs a
+    comparison, since every candidate pair is checked on its whole signature)."""
+    from tenx.data.ngrams import fmix64
+
+    keys = np.full(len(block), np.uint64(block.shape[1]), dtype=np.uint64)
+    for column in range(block.shape[1]):
+        keys = fmix64(keys ^ block[:, column])
+    return keys
 
 
 def near_duplicate_splits(
@@ -142,12 +190,20 @@ def near_duplicate_splits(
     """The split of each (id, text) document, `split_of` its id or, in a near-duplicate group, of the
     group's smallest id, and the counts; a threshold of 0 turns grouping off."""
     ids = [doc_id for doc_id, _ in documents]
-    splits = [split_of(doc_id) for doc_id in ids]
     groups = (
         find_near_duplicates([text for _, text in documents], threshold, shingle, progress)
         if threshold
         else []
     )
+    return group_splits(ids, split_of, groups)
+
+
+def group_splits(
+    ids: Sequence[str], split_of: Callable[[str], str], groups: list[list[int]]
+) -> tuple[list[str], DedupStats]:
+    """The split of each document: `split_of` its id, or in a near-duplicate group (indices into `ids`),
+    that of the group's smallest id; and the counts."""
+    splits = [split_of(doc_id) for doc_id in ids]
     stats = DedupStats(near_duplicate_groups=len(groups))
     for group in groups:
         split = splits[min(group, key=lambda i: ids[i])]

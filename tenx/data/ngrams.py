@@ -56,7 +56,8 @@ _M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 
 
-def _fmix64(x: np.ndarray) -> np.ndarray:
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finalizer, elementwise (a bijection of uint64)."""
     x = x ^ (x >> _S33)
     x = x * _M1
     x = x ^ (x >> _S33)
@@ -79,9 +80,9 @@ def ngram_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     count = max(len(tokens) - n + 1, 0)
     values = tokens.astype(np.uint64)
-    hashes = np.full(count, _fmix64(np.array([n], dtype=np.uint64))[0], dtype=np.uint64)
+    hashes = np.full(count, fmix64(np.array([n], dtype=np.uint64))[0], dtype=np.uint64)
     for k in range(n):
-        hashes = _fmix64(hashes ^ values[k : k + count])
+        hashes = fmix64(hashes ^ values[k : k + count])
     return hashes
 
 

@@ -5,47 +5,39 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import xxhash
-from tqdm import tqdm
 
 from tenx.config import check_bounds, field
-from tenx.data.dedup import near_duplicate_splits
+from tenx.data.clean import BINARY_SNIFF_BYTES, CleaningStats, clean_text  # noqa: F401 - re-exported
+from tenx.data.dedup import group_splits, groups_from_signatures
 from tenx.data.manifest import (
     FORMAT,
     INDEX_DTYPE,
     MANIFEST_NAME,
     SPLITS,
-    TOKEN_DTYPES,
     read_manifest,
     verify_split,
 )
-from tenx.data.ngrams import (
-    DEFAULT_CONTAMINATION_THRESHOLD,
-    INDEX_FILE,
-    build_index,
-    decontaminate,
-    load_index,
-    remove_stale_indexes,
-)
-from tenx.data.sources import effective_patterns, iter_documents, source_provenance
+from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD, INDEX_FILE, load_index, remove_stale_indexes
+from tenx.data.partitioned import Partitions, decontaminate, fill, write_index
+from tenx.data.sources import effective_patterns, source_provenance
+from tenx.data.stream import TokenReader, Work, kept_documents, scan, signatures, texts, tokenize
 from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
 from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash, fsync_dir
 
 TOKENIZERS = ("bpe", "bytes")
-BINARY_SNIFF_BYTES = 8192
-"""A NUL byte within this many leading bytes marks a document as binary."""
+TOKENIZER_SAMPLE_MB = 256.0
+"""Default tokenizer sample: more than the standard library (31 MB), so small corpora use every document."""
 
-_BATCH_DOCUMENTS = 512
-_BATCH_BYTES = 8 << 20
 _SHARD_NAME = re.compile(r"^(train|val|heldout)_\d{5}\.(bin|idx)$")
 
 
@@ -100,6 +92,21 @@ class PrepareConfig:
         le=1,
         help="val and held-out documents sharing more than this fraction of their ngram_index-grams with "
         "the train split are moved into it, until none is left; 1 (or ngram_index 0) turns this off",
+    )
+    tokenizer_sample_mb: float = field(
+        TOKENIZER_SAMPLE_MB,
+        gt=0,
+        help="BPE: train the tokenizer on the train split, or on a seeded sample of about this many MB of its "
+        "documents when it is larger",
+    )
+    workers: int | None = field(
+        None,
+        ge=1,
+        le=1024,
+        help="worker processes that clean, hash and tokenize (default: this machine's cores)",
+    )
+    resume: bool = field(
+        False, help="continue an interrupted prepare of the same source and settings where it stopped"
     )
 
     def validate(self) -> None:
@@ -156,27 +163,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass
-class CleaningStats:
-    """Counts of what cleaning did to the source's documents."""
-
-    documents_seen: int = 0
-    decoded_with_replacement: int = 0
-    empty_skipped: int = 0
-    binary_skipped: int = 0
-    duplicates_removed: int = 0
-    documents_kept: int = 0
-
-
-@dataclass
-class _Document:
-    id: str
-    text: str
-    num_bytes: int
-    tokens: np.ndarray | None = None
-    """Token ids ending with the end-of-document id, once tokenized."""
-
-
 def assign_split(doc_id: str, seed: int, val_ratio: float, heldout_ratio: float) -> str:
     """Split of a document, from a hash of its id alone (so it never depends on order or offsets)."""
     u = xxhash.xxh64_intdigest(f"{seed}:{doc_id}".encode()) / 2**64
@@ -187,84 +173,78 @@ def assign_split(doc_id: str, seed: int, val_ratio: float, heldout_ratio: float)
     return "train"
 
 
-def clean_text(data: bytes | str, stats: CleaningStats) -> tuple[str, bytes] | None:
-    """Cleaned text and its UTF-8 bytes, or None (counted in `stats`) when the document is skipped."""
-    if isinstance(data, bytes):
-        if b"\x00" in data[:BINARY_SNIFF_BYTES]:
-            stats.binary_skipped += 1
-            return None
-        try:
-            text = data.decode("utf-8")
-            encoded = data
-        except UnicodeDecodeError:
-            text = data.decode("utf-8", errors="replace")
-            encoded = text.encode("utf-8")
-            stats.decoded_with_replacement += 1
-    else:
-        try:
-            text, encoded = data, data.encode("utf-8")
-        except UnicodeEncodeError:
-            # Lone surrogates (e.g. from a JSON "\ud800" escape) are not UTF-8; make them U+FFFD like bad bytes.
-            text = data.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
-            encoded = text.encode("utf-8")
-            stats.decoded_with_replacement += 1
-        if b"\x00" in encoded[:BINARY_SNIFF_BYTES]:
-            stats.binary_skipped += 1
-            return None
-    if not text.strip():
-        stats.empty_skipped += 1
-        return None
-    return text, encoded
-
-
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
-    """Turn `cfg.source` into verified token shards under `cfg.out` and return the manifest written there."""
+    """Turn `cfg.source` into verified token shards under `cfg.out` and return the manifest written there.
+
+    Streaming and resumable (tenx/data/stream.py): the source is read three times, never held in memory;
+    n-grams are counted in hash partitions on disk (tenx/data/partitioned.py)."""
     cfg.validate()
     out = Path(cfg.out)
     _check_out_dir(out)
     source_entry = _source_entry(cfg)
-    documents, stats = _read_documents(cfg, progress)
-    if not documents:
-        raise DataError(
-            f"{cfg.source!r} gave no usable documents ({stats.documents_seen} read, "
-            f"{stats.empty_skipped} empty, {stats.binary_skipped} binary); check the source and its patterns"
-        )
-    splits_of, dedup = near_duplicate_splits(
-        [(d.id, d.text) for d in documents],
-        lambda doc_id: assign_split(doc_id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio),
-        cfg.near_dup_threshold,
-        cfg.near_dup_shingle,
-        progress,
-    )
-    by_split: dict[str, list[_Document]] = {name: [] for name in SPLITS}
-    for doc, split in zip(documents, splits_of):
-        by_split[split].append(doc)
-    if not by_split["train"]:
-        raise DataError(
-            f"no documents of {cfg.source!r} landed in the train split ({stats.documents_kept} kept after cleaning); "
-            "add documents or lower val_ratio/heldout_ratio"
-        )
-    for docs in by_split.values():
-        docs.sort(key=lambda d: d.id)
-
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    fingerprint = {"source": source_entry, "split": _split_settings(cfg), "prepare": _prepare_settings(cfg)}
+    work = Work(out, fingerprint, cfg.resume)
+    try:
+        return _prepare(cfg, out, work, source_entry, progress)
+    except DataError:  # the source cannot be prepared: nothing to resume, and nothing of ours is left behind
+        work.clear()
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _prepare(
+    cfg: PrepareConfig, out: Path, work: Work, source_entry: dict[str, Any], progress: bool
+) -> dict[str, Any]:
+    workers = cfg.workers or os.cpu_count() or 1
+    stats = scan(cfg, work, workers, progress)
+    rows, ids = kept_documents(work)
+    if not len(rows):
+        raise DataError(
+            f"{cfg.source!r} gave no usable documents ({stats['documents_seen']} read, "
+            f"{stats['empty_skipped']} empty, {stats['binary_skipped']} binary); check the source and its patterns"
+        )
+    groups: list[list[int]] = []
+    if cfg.near_dup_threshold:
+        sigs = signatures(work, len(rows))
+        valid = np.fromiter((bool(sigs[i].any()) for i in range(len(rows))), dtype=bool, count=len(rows))
+        groups = groups_from_signatures(sigs, valid, cfg.near_dup_threshold)
+    split_names, dedup = group_splits(
+        ids, lambda doc_id: assign_split(doc_id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio), groups
+    )
+    members = {
+        name: sorted((i for i, s in enumerate(split_names) if s == name), key=ids.__getitem__)
+        for name in SPLITS
+    }
+    if not members["train"]:
+        raise DataError(
+            f"no documents of {cfg.source!r} landed in the train split ({stats['documents_kept']} kept after "
+            "cleaning); add documents or lower val_ratio/heldout_ratio"
+        )
     previous = _listed_files(out)  # only files an earlier manifest listed may be removed as stale
     # Drop any previous manifest first: shards are rewritten in place, and no manifest may point at them meanwhile.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(out)
 
-    tokenizer = _build_tokenizer(cfg, [d.text for d in by_split["train"]], progress)
+    tokenizer = _build_tokenizer(cfg, work, rows, ids, members["train"], progress)
     tokenizer_entry = tokenizer.save(out)
     dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
-    total_bytes = sum(d.num_bytes for d in documents)
-    with tqdm(
-        total=total_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=not progress, file=sys.stderr
-    ) as bar:
-        for name in SPLITS:
-            _tokenize(by_split[name], tokenizer, TOKEN_DTYPES[dtype], bar)
-    if cfg.ngram_index:
-        dedup.moved_for_contamination = _move_contaminated(cfg, by_split, tokenizer.eot_id)
-    splits = {name: _write_split(out, name, by_split[name], cfg.shard_tokens) for name in SPLITS}
+    offsets = tokenize(cfg, work, rows, tokenizer_entry, dtype, workers, progress)
+    reader = TokenReader(work, offsets, dtype)
+    try:
+        added: list[np.ndarray] = []
+        if cfg.ngram_index:
+            dedup.moved_for_contamination, added, partitions = _move_contaminated(
+                cfg, work, members, ids, reader, tokenizer.eot_id, int(offsets["length"].sum())
+            )
+        splits = {
+            name: _write_split(out, name, members[name], ids, rows, reader, cfg.shard_tokens)
+            for name in SPLITS
+        }
+    finally:
+        reader.close()
     manifest = {
         "format": FORMAT,
         "source": source_entry,
@@ -272,7 +252,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
         "dtype": dtype,
         "split": _split_settings(cfg),
         "prepare": _prepare_settings(cfg),
-        "stats": asdict(stats),
+        "stats": stats,
         "dedup": asdict(dedup),
         "splits": splits,
     }
@@ -280,7 +260,9 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     _remove_stale_files(out, manifest, previous)
     remove_stale_indexes(out)
     if cfg.ngram_index:
-        build_index(out, cfg.ngram_index)
+        shards = [shard["xxhash"] for shard in splits["train"]["shards"]]
+        write_index(out, partitions, added, cfg.ngram_index, tokenizer.eot_id, shards)
+    work.clear()
     return manifest
 
 
@@ -375,163 +357,160 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
         "near_dup_shingle": cfg.near_dup_shingle if cfg.near_dup_threshold else None,
         "ngram_index": cfg.ngram_index,
         "contamination_threshold": cfg.contamination_threshold if cfg.ngram_index else None,
+        # recorded only when it differs from the default, so that earlier manifests stay valid
+        **(
+            {"tokenizer_sample_mb": cfg.tokenizer_sample_mb}
+            if cfg.tokenizer == "bpe" and cfg.tokenizer_sample_mb != TOKENIZER_SAMPLE_MB
+            else {}
+        ),
     }
 
 
-def _read_documents(cfg: PrepareConfig, progress: bool) -> tuple[list[_Document], CleaningStats]:
-    stats = CleaningStats()
-    documents: list[_Document] = []
-    seen_ids: set[str] = set()
-    seen_texts: set[int] = set()
-    raw_documents = iter_documents(
-        cfg.source, patterns=cfg.patterns, text_field=cfg.text_field, id_field=cfg.id_field, column=cfg.column
-    )
-    capped = itertools.islice(raw_documents, cfg.max_documents)
-    for raw in tqdm(capped, desc="reading", unit="doc", disable=not progress, file=sys.stderr):
-        stats.documents_seen += 1
-        if raw.id in seen_ids:
-            raise DataError(
-                f"{cfg.source}: two documents share the id {raw.id!r}; document ids must be unique"
-            )
-        seen_ids.add(raw.id)
-        cleaned = clean_text(raw.data, stats)
-        if cleaned is None:
-            continue
-        text, encoded = cleaned
-        digest = xxhash.xxh3_128_intdigest(encoded)
-        if digest in seen_texts:
-            stats.duplicates_removed += 1
-            continue
-        seen_texts.add(digest)
-        documents.append(_Document(id=raw.id, text=text, num_bytes=len(encoded)))
-    stats.documents_kept = len(documents)
-    return documents, stats
-
-
-def _build_tokenizer(cfg: PrepareConfig, train_texts: list[str], progress: bool) -> Tokenizer:
+def _build_tokenizer(
+    cfg: PrepareConfig, work: Work, rows: np.ndarray, ids: list[str], train: list[int], progress: bool
+) -> Tokenizer:
+    """Bytes, or a BPE trained on the train split (a seeded sample of about tokenizer_sample_mb of it when
+    larger: a document is in when a hash of seed and id is below budget / train bytes); kept across a resume."""
     if cfg.tokenizer == "bytes":
         return ByteTokenizer()
+    entry = work.state.get("tokenizer")
+    if entry is not None:
+        try:
+            return load_tokenizer(cfg.out, entry)
+        except DataError:
+            pass  # trained again below
+    sizes = rows["num_bytes"][train]
+    budget, total = cfg.tokenizer_sample_mb * 1e6, float(sizes.sum())
+    if total > budget:
+        chosen = [
+            i
+            for i in train
+            if xxhash.xxh64_intdigest(f"{cfg.seed}:sample:{ids[i]}".encode()) < budget / total * 2**64
+        ]
+    else:
+        chosen = train
+    wanted = np.sort(rows["seq"][chosen])
     if progress:
+        mb = float(rows["num_bytes"][chosen].sum()) / 1e6
         print(
-            f"training BPE tokenizer (vocab_size {cfg.vocab_size}) on {len(train_texts):,} documents",
+            f"training BPE tokenizer (vocab_size {cfg.vocab_size}) on {len(chosen):,} documents ({mb:.1f} MB)",
             file=sys.stderr,
         )
-    return train_bpe(train_texts, cfg.vocab_size)
-
-
-def _batches(docs: list[_Document]) -> Iterator[list[_Document]]:
-    batch: list[_Document] = []
-    batch_bytes = 0
-    for doc in docs:
-        batch.append(doc)
-        batch_bytes += doc.num_bytes
-        if len(batch) >= _BATCH_DOCUMENTS or batch_bytes >= _BATCH_BYTES:
-            yield batch
-            batch, batch_bytes = [], 0
-    if batch:
-        yield batch
+    tokenizer = train_bpe(texts(cfg, wanted, progress), cfg.vocab_size)
+    work.commit("tokenizer", tokenizer.save(Path(cfg.out)))
+    return tokenizer
 
 
 class _ShardWriter:
-    """Accumulates document token arrays and writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries."""
+    """Writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries, streaming each shard into a hidden
+    file that is renamed into place once complete (a shard is never read half-written)."""
 
     def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
         self.out, self.split, self.shard_tokens = out, split, shard_tokens
         self.shards: list[dict[str, Any]] = []
-        self._pieces: list[np.ndarray] = []
+        self._file: Any = None
         self._starts: list[int] = []
         self._tokens = 0
 
     def add(self, tokens: np.ndarray) -> None:
         if self._tokens and self._tokens + len(tokens) > self.shard_tokens:
             self.flush()
+        if self._file is None:
+            self._path = self.out / f".{self.split}_{len(self.shards):05d}.bin.tmp"
+            self._file, self._digest = open(self._path, "wb"), xxhash.xxh3_64()  # noqa: SIM115
+        data = tokens.tobytes()
+        self._file.write(data)
+        self._digest.update(data)
         self._starts.append(self._tokens)
-        self._pieces.append(tokens)
         self._tokens += len(tokens)
 
     def flush(self) -> None:
-        if not self._pieces:
+        if self._file is None:
             return
         stem = f"{self.split}_{len(self.shards):05d}"
-        data = np.concatenate(self._pieces).tobytes()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
         index = np.asarray(self._starts, dtype=INDEX_DTYPE).tobytes()
-        atomic_write_bytes(self.out / f"{stem}.bin", data)
         atomic_write_bytes(self.out / f"{stem}.idx", index)
+        self._path.replace(self.out / f"{stem}.bin")
         self.shards.append(
             {
                 "file": f"{stem}.bin",
                 "index_file": f"{stem}.idx",
                 "tokens": self._tokens,
                 "documents": len(self._starts),
-                "xxhash": bytes_xxhash(data),
+                "xxhash": self._digest.hexdigest(),
                 "index_xxhash": bytes_xxhash(index),
             }
         )
-        self._pieces, self._starts, self._tokens = [], [], 0
-
-
-def _tokenize(docs: list[_Document], tokenizer: Tokenizer, dtype: np.dtype, bar: tqdm) -> None:
-    for batch in _batches(docs):
-        for doc, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch])):
-            doc.tokens = np.empty(len(ids) + 1, dtype=dtype)
-            doc.tokens[:-1] = ids
-            doc.tokens[-1] = tokenizer.eot_id
-        bar.update(sum(d.num_bytes for d in batch))
+        self._starts, self._tokens = [], 0
 
 
 def _move_contaminated(
-    cfg: PrepareConfig, by_split: dict[str, list[_Document]], eot_id: int
-) -> dict[str, Any]:
-    """Move the val and held-out documents that `decontaminate` names into train; the manifest's record.
+    cfg: PrepareConfig,
+    work: Work,
+    members: dict[str, list[int]],
+    ids: list[str],
+    reader: TokenReader,
+    eot_id: int,
+    total_tokens: int,
+) -> tuple[dict[str, Any], list[np.ndarray], Partitions]:
+    """Move the val and held-out documents that decontamination names into train (tenx.data.ngrams.
+    decontaminate, counted in hash partitions); the manifest's record, the moved documents' hashes and the
+    partitions (the train index is written from them).
 
     The tokenizer, trained on the train split before the move, is kept: retraining it would change the
     token ids and so the very n-grams just measured, and the moved documents, unseen by it, are encoded
     like any other text it did not see; they only add training data."""
-    held = [doc for name in ("val", "heldout") for doc in by_split[name]]
-    result = decontaminate(
-        [_tokens(d) for d in by_split["train"]],
-        [_tokens(d) for d in held],
-        cfg.ngram_index,
-        eot_id,
-        cfg.contamination_threshold,
+    held = members["val"] + members["heldout"]
+    partitions = Partitions(work.path("ngrams"), total_tokens)
+    documents = itertools.chain(
+        (("train", reader(i)) for i in members["train"]), (("held", reader(i)) for i in held)
     )
-    moved = sorted(held[i].id for i in result.moved)
-    moving = set(moved)
+    windows = fill(partitions, documents, cfg.ngram_index, eot_id, len(held))
+    result, added = decontaminate(partitions, windows, cfg.contamination_threshold)
+    moving = {held[i] for i in result.moved}
+    moved = sorted(ids[i] for i in moving)
     record: dict[str, Any] = {
         "n": cfg.ngram_index,
         "threshold": cfg.contamination_threshold,
         "count": len(moved),
     }
     for name in ("val", "heldout"):
-        record[f"from_{name}"] = sum(d.id in moving for d in by_split[name])
-        by_split["train"] += [d for d in by_split[name] if d.id in moving]
-        by_split[name] = [d for d in by_split[name] if d.id not in moving]
-    by_split["train"].sort(key=lambda d: d.id)
+        record[f"from_{name}"] = sum(i in moving for i in members[name])
+        members["train"] += [i for i in members[name] if i in moving]
+        members[name] = [i for i in members[name] if i not in moving]
+    members["train"].sort(key=ids.__getitem__)
     if not result.converged:
         print(
             f"warning: decontamination stopped after {result.rounds} passes while still moving documents; "
             f"val or held-out may keep some above {cfg.contamination_threshold:g}",
             file=sys.stderr,
         )
-    return {**record, "documents": moved[:50], "rounds": result.rounds, "converged": result.converged}
+    record = {**record, "documents": moved[:50], "rounds": result.rounds, "converged": result.converged}
+    return record, added, partitions
 
 
-def _tokens(doc: _Document) -> np.ndarray:
-    if doc.tokens is None:
-        raise AssertionError(f"document {doc.id!r} was not tokenized")
-    return doc.tokens
-
-
-def _write_split(out: Path, split: str, docs: list[_Document], shard_tokens: int) -> dict[str, Any]:
+def _write_split(
+    out: Path,
+    split: str,
+    members: list[int],
+    ids: list[str],
+    rows: np.ndarray,
+    reader: TokenReader,
+    shard_tokens: int,
+) -> dict[str, Any]:
     writer = _ShardWriter(out, split, shard_tokens)
-    for doc in docs:
-        writer.add(_tokens(doc))
+    for i in members:
+        writer.add(reader(i))
     writer.flush()
     return {
-        "num_documents": len(docs),
-        "bytes": sum(d.num_bytes for d in docs),
+        "num_documents": len(members),
+        "bytes": int(rows["num_bytes"][members].sum()) if members else 0,
         "tokens": sum(shard["tokens"] for shard in writer.shards),
-        "documents": [d.id for d in docs],
+        "documents": [ids[i] for i in members],
         "shards": writer.shards,
     }
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
-from tenx.data.prepare import CleaningStats, clean_text
+from tenx.data.clean import CleaningStats, clean_text
 from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import Tokenizer
 from tenx.errors import DataError

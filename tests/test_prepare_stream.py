@@ -1,0 +1,127 @@
+"""Streaming prepare (tenx/data/stream.py, tenx/data/partitioned.py): the output does not depend on the number
+of workers, on a sampled tokenizer's order or on partitioning; a prepare killed with SIGKILL resumes to the
+same bytes; nothing half-written is read."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tenx.data.partitioned as partitioned
+import tenx.data.stream as stream
+from tenx.data.ngrams import build_index
+from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.errors import DataError
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_dir, tmp_path_factory) -> Path:
+    """The tiny corpus plus planted exact and near duplicates."""
+    root = tmp_path_factory.mktemp("stream") / "src"
+    shutil.copytree(corpus_dir, root)
+    files = sorted(root.rglob("*.py"))
+    for i, f in enumerate(files[:6]):
+        (root / f"copy_{i}.py").write_bytes(f.read_bytes())  # exact duplicate
+        (root / f"near_{i}.py").write_text("# vendored copy\n" + f.read_text())  # near duplicate
+    return root
+
+
+def config(src: Path, out: Path, **kw) -> PrepareConfig:
+    return PrepareConfig(
+        source=str(src), out=str(out), vocab_size=512, val_ratio=0.1, heldout_ratio=0.1, **kw
+    )
+
+
+def test_output_is_identical_for_any_worker_count_and_partitioning(corpus, tmp_path, monkeypatch):
+    outs = {}
+    for workers in (1, 2, 3):
+        manifest = prepare(config(corpus, tmp_path / f"w{workers}", workers=workers), progress=False)
+        outs[workers] = files_of(tmp_path / f"w{workers}")
+    assert outs[1] == outs[2] == outs[3]
+    assert manifest["stats"]["duplicates_removed"] == 6 and manifest["dedup"]["near_duplicate_groups"] >= 6
+    assert not (tmp_path / "w1" / stream.WORK_DIR).exists()  # the work directory is removed at the end
+    # hash partitions: 1 or many, the same decontamination and the same index as the in-memory build_index
+    monkeypatch.setattr(partitioned, "PARTITION_HASHES", 1 << 10)
+    prepare(config(corpus, tmp_path / "parts", workers=2), progress=False)
+    assert files_of(tmp_path / "parts") == outs[1]
+    index = (tmp_path / "parts" / "ngrams-13.npy").read_bytes()
+    build_index(tmp_path / "parts", 13)
+    assert (tmp_path / "parts" / "ngrams-13.npy").read_bytes() == index
+
+
+def test_a_tokenizer_sample_is_seeded_and_recorded(corpus, tmp_path):
+    a = prepare(config(corpus, tmp_path / "a", tokenizer_sample_mb=0.2, workers=1), progress=False)
+    prepare(config(corpus, tmp_path / "b", tokenizer_sample_mb=0.2, workers=2), progress=False)
+    full = prepare(config(corpus, tmp_path / "full", workers=2), progress=False)
+    assert a["prepare"]["tokenizer_sample_mb"] == 0.2 and "tokenizer_sample_mb" not in full["prepare"]
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
+    assert a["tokenizer"]["xxhash"] != full["tokenizer"]["xxhash"]  # trained on fewer documents
+
+
+def _run(cfg: PrepareConfig) -> None:
+    stream.COMMIT_BATCHES, stream.BATCH_DOCUMENTS = 1, 4  # commit after every small batch
+    prepare(cfg, progress=False)
+
+
+@pytest.mark.parametrize("stage", ["scan", "tokenize"])
+def test_a_prepare_killed_mid_pass_resumes_to_the_same_bytes(corpus, tmp_path, stage):
+    reference = tmp_path / "ref"
+    prepare(config(corpus, reference, workers=2), progress=False)
+    out = tmp_path / "killed"
+    state = out / stream.WORK_DIR / "state.json"
+    child = multiprocessing.get_context("fork").Process(target=_run, args=(config(corpus, out, workers=2),))
+    child.start()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        text = state.read_text() if state.exists() else ""
+        if f'"{stage}"' in text and '"seq": 0' not in text.split(f'"{stage}"')[1][:200]:
+            break
+        time.sleep(0.005)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert f'"{stage}"' in state.read_text(), "the child finished before it could be killed"
+    assert not (out / "manifest.json").exists() and not is_prepared(
+        config(corpus, out)
+    )  # nothing half-done is used
+    prepare(config(corpus, out, workers=1, resume=True), progress=False)
+    assert files_of(out) == files_of(reference)
+
+
+def test_resume_with_other_settings_starts_over_and_bad_sources_leave_nothing(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    (out / stream.WORK_DIR).mkdir(parents=True)
+    (out / stream.WORK_DIR / "state.json").write_text('{"fingerprint": {"other": 1}, "scan": {}}')
+    prepare(config(corpus, out, resume=True, workers=2), progress=False)
+    assert "other settings; starting over" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no usable documents"):
+        prepare(config(empty, tmp_path / "none"), progress=False)
+    assert not (tmp_path / "none").exists()
+
+
+def test_ordered_map_keeps_order_bounds_work_in_flight_and_reports_a_worker_failure():
+    consumed = []
+
+    def items():
+        for i in range(40):
+            consumed.append(i)
+            yield i
+
+    results = stream.ordered_map(np.square, items(), 2)
+    first = next(results)
+    assert first == 0 and len(consumed) <= 5  # at most 2 x workers submitted ahead
+    assert [first, *results] == [i * i for i in range(40)]
+    with pytest.raises(ZeroDivisionError):
+        list(stream.ordered_map(abs, range(3), 2, initializer=lambda: 1 / 0))
