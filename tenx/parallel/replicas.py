@@ -20,7 +20,8 @@ commits: one per trainer step in `sync`, one per (fragment) outer sync in the Di
 DiLoCo group joins. A group that starts (fresh or resumed from its own checkpoint) starts its manager at
 step 0 on purpose: any live peer is ahead of it, so it always heals from that peer before training with
 it. Bytes: `replica_bytes_sent` counts the payload this process hands to cross-group all-reduces while at
-least one other group is in the quorum (see docs/multi-cluster.md for the wire factor).
+least one other group is in the quorum (see docs/multi-cluster.md for the wire factor); low-precision
+pseudo-gradients: tenx/parallel/pseudograd.py; the 'auto' outer lr and momentum: tenx/parallel/outer.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from torch import nn
 
 from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, TenxError
+from tenx.parallel.outer import resolve_outer
 from tenx.parallel.peer_transport import TensorTransport, read_secret, url_host
+from tenx.parallel.pseudograd import PseudoGradDtype, check_pseudo_grad, counting_manager, make_codec
 from tenx.parallel.torchft_glue import (
     _fragments,
     _gloo_on_host,
@@ -69,8 +72,23 @@ class ReplicaConfig:
     )
     min_groups: int = field(1, help="fewest groups that may take a step (the others heal and rejoin)")
     sync_every: int = field(50, ge=1, help="diloco: inner steps between outer steps (H)")
-    outer_lr: float = field(0.7, help="diloco: outer SGD learning rate")
-    outer_momentum: float = field(0.9, help="diloco: outer Nesterov momentum")
+    outer_lr: float | Literal["auto"] = field(
+        "auto",
+        help="diloco: outer SGD learning rate; 'auto': by the run's outer steps (tenx/parallel/outer.py)",
+    )
+    outer_momentum: float | Literal["auto"] = field(
+        "auto", help="diloco: outer Nesterov momentum; 'auto': 0.9 for 100+ outer steps, less for fewer"
+    )
+    pseudo_grad_dtype: PseudoGradDtype = field(
+        "fp32",
+        help="diloco: what the pseudo-gradients travel as across groups: 'fp32', 'bf16', 'int8' (block-scaled, "
+        "1 byte a value) or 'int4' (4 bits, at most 7 groups); the outer step stays fp32",
+    )
+    error_feedback: bool = field(
+        True,
+        help="diloco, pseudo_grad_dtype not fp32: each group keeps the rounding error of what it sent and adds "
+        "it to its next pseudo-gradient (not checkpointed; reset when the group heals)",
+    )
     fragments: int = field(2, help="streaming-diloco: model fragments synced at staggered steps")
     fragment_sync_delay: int = field(
         0, help="streaming-diloco: inner steps a fragment's all-reduce may overlap before it is applied"
@@ -100,6 +118,7 @@ class ReplicaConfig:
     def validate(self) -> None:
         """Check bounds, the group id and sizes against `groups`, fragments and the host; names the field."""
         check_bounds(self, "parallel.replicas")
+        check_pseudo_grad(self.pseudo_grad_dtype, self.mode, self.groups)
         if not 0 <= self.group_id < self.groups:
             raise ConfigError(
                 f"parallel.replicas.group_id: must be in [0, {self.groups}), got {self.group_id}"
@@ -195,6 +214,7 @@ class Replicas:
         self._pg: Any = None
         self._store: Any = None
         self._diloco: Any = None
+        self._codec = make_codec(cfg.pseudo_grad_dtype, cfg.error_feedback)  # None: fp32
         self._phase = "attach"
         self._pending_join: dict[str, Any] | None = None
         self._quorum_started = 0.0
@@ -211,8 +231,10 @@ class Replicas:
         optimizer: torch.optim.Optimizer,
         state_dict: Callable[[], dict],
         load_state_dict: Callable[[dict], None],
+        total_steps: int | None = None,
     ) -> None:
-        """Start the manager (and DiLoCo); a DiLoCo group joins its peers here, healing from one if behind."""
+        """Start the manager (and DiLoCo, whose 'auto' outer lr/momentum follow `total_steps` if given); a
+        DiLoCo group joins its peers here, healing from one if behind."""
         quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -220,15 +242,7 @@ class Replicas:
         replicas = self
         timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
 
-        class CountingManager(Manager):
-            """Counts the payload of every cross-group all-reduce that has another group to talk to."""
-
-            def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                work = super().allreduce(tensor, *args, **kwargs)
-                if self.num_participants() > 1 and not self.errored():
-                    replicas.bytes_sent += tensor.numel() * tensor.element_size()
-                return work
-
+        CountingManager = counting_manager(Manager, self)
         pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
 
         host = self.host
@@ -286,13 +300,13 @@ class Replicas:
             from torchft.local_sgd import DiLoCo
 
             fragments = _fragments(model, self.cfg.fragments if self.mode == "streaming-diloco" else 1)
+            lr, momentum = resolve_outer(
+                self.cfg.outer_lr, self.cfg.outer_momentum, total_steps, self.sync_every
+            )
+            if self.rank == 0:
+                print(f"tenx: diloco outer SGD lr {lr:g}, Nesterov momentum {momentum:g}", flush=True)
             outer = [
-                torch.optim.SGD(
-                    frag.parameters(),
-                    lr=self.cfg.outer_lr,
-                    momentum=self.cfg.outer_momentum,
-                    nesterov=self.cfg.outer_momentum > 0,
-                )
+                torch.optim.SGD(frag.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0)
                 for frag in fragments
             ]
             self._optimizer = optimizer
@@ -379,6 +393,8 @@ class Replicas:
         """Take a live peer's state (called by torchft inside start_quorum, on the training thread)."""
         before = self._trainer_step()
         load_state_dict(state["trainer"])
+        if self._codec is not None:
+            self._codec.reset()  # its residuals were our own drift's, which the peer's state replaces
         peer = state["replicas"]
         if self._diloco is not None:
             self._diloco._local_step = int(peer["local_step"])

@@ -279,7 +279,11 @@ class Trainer(TrainerState):
         try:
             if self.replicas is not None:
                 self.replicas.attach(
-                    self.raw_model, self.optimizer, self.replica_state_dict, self.load_replica_state_dict
+                    self.raw_model,
+                    self.optimizer,
+                    self.replica_state_dict,
+                    self.load_replica_state_dict,
+                    total_steps=self.total_steps,
                 )
             self._emit("on_train_start")
             if self.ledger is not None:
