@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -199,7 +200,10 @@ def _prepare(
     cfg: PrepareConfig, out: Path, work: Work, source_entry: dict[str, Any], progress: bool
 ) -> dict[str, Any]:
     workers = cfg.workers or os.cpu_count() or 1
+    laps: dict[str, float] = {}
+    lap = _stopwatch(laps)
     stats = scan(cfg, work, workers, progress)
+    lap("scan")
     rows, ids = kept_documents(work)
     if not len(rows):
         raise DataError(
@@ -209,8 +213,9 @@ def _prepare(
     groups: list[list[int]] = []
     if cfg.near_dup_threshold:
         sigs = signatures(work, len(rows))
-        valid = np.fromiter((bool(sigs[i].any()) for i in range(len(rows))), dtype=bool, count=len(rows))
+        valid = np.concatenate([sigs[i : i + 65536].any(axis=1) for i in range(0, len(rows), 65536)])
         groups = groups_from_signatures(sigs, valid, cfg.near_dup_threshold)
+    lap("near-duplicates")
     split_names, dedup = group_splits(
         ids, lambda doc_id: assign_split(doc_id, cfg.seed, cfg.val_ratio, cfg.heldout_ratio), groups
     )
@@ -230,8 +235,10 @@ def _prepare(
 
     tokenizer = _build_tokenizer(cfg, work, rows, ids, members["train"], progress)
     tokenizer_entry = tokenizer.save(out)
+    lap("tokenizer")
     dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
     offsets = tokenize(cfg, work, rows, tokenizer_entry, dtype, workers, progress)
+    lap("tokenize")
     reader = TokenReader(work, offsets, dtype)
     try:
         added: list[np.ndarray] = []
@@ -239,6 +246,7 @@ def _prepare(
             dedup.moved_for_contamination, added, partitions = _move_contaminated(
                 cfg, work, members, ids, reader, tokenizer.eot_id, int(offsets["length"].sum())
             )
+        lap("decontamination")
         splits = {
             name: _write_split(out, name, members[name], ids, rows, reader, cfg.shard_tokens)
             for name in SPLITS
@@ -262,8 +270,22 @@ def _prepare(
     if cfg.ngram_index:
         shards = [shard["xxhash"] for shard in splits["train"]["shards"]]
         write_index(out, partitions, added, cfg.ngram_index, tokenizer.eot_id, shards)
+    lap("shards and index")
     work.clear()
+    if progress:
+        print("passes (s): " + ", ".join(f"{k} {v:.1f}" for k, v in laps.items()), file=sys.stderr)
     return manifest
+
+
+def _stopwatch(laps: dict[str, float]) -> Any:
+    """lap(name): the seconds since the previous lap, recorded under name."""
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        laps[name], last[0] = now - last[0], now
+
+    return lap
 
 
 def is_prepared(cfg: PrepareConfig) -> bool:
