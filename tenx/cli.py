@@ -220,7 +220,15 @@ PREPARE_FLAGS = (
     "max_documents",
 )
 PREPARE_FLAGS += ("near_dup_threshold", "near_dup_shingle", "ngram_index", "contamination_threshold")
-PREPARE_FLAGS += ("tokenizer_sample_mb", "workers", "resume")
+PREPARE_FLAGS += (
+    "tokenizer_sample_mb",
+    "workers",
+    "resume",
+    "engine",
+    "tasks",
+    "slurm_partition",
+    "slurm_time",
+)
 """The PrepareConfig fields `tenx data prepare` takes as flags."""
 LADDER_FLAGS = (
     "grid",

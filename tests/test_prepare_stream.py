@@ -18,7 +18,7 @@ import tenx.data.partitioned as partitioned
 import tenx.data.stream as stream
 from tenx.data.ngrams import build_index
 from tenx.data.prepare import PrepareConfig, is_prepared, prepare
-from tenx.errors import DataError
+from tenx.errors import ConfigError, DataError
 
 
 def files_of(out: Path) -> dict[str, bytes]:
@@ -125,3 +125,14 @@ def test_ordered_map_keeps_order_bounds_work_in_flight_and_reports_a_worker_fail
     assert [first, *results] == [i * i for i in range(40)]
     with pytest.raises(ZeroDivisionError):
         list(stream.ordered_map(abs, range(3), 2, initializer=lambda: 1 / 0))
+
+
+def test_the_datatrove_engine_gives_the_local_output(corpus, tmp_path):
+    pytest.importorskip("datatrove")
+    local = tmp_path / "local"
+    prepare(config(corpus, local, workers=1), progress=False)
+    engine = tmp_path / "engine"
+    prepare(config(corpus, engine, engine="datatrove", tasks=2, workers=2), progress=False)
+    assert files_of(engine) == files_of(local)
+    with pytest.raises(ConfigError, match="slurm_partition"):
+        prepare(config(corpus, tmp_path / "slurm", engine="datatrove-slurm"), progress=False)

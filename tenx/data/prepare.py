@@ -19,9 +19,9 @@ import xxhash
 from tenx.config import check_bounds, field
 from tenx.data.clean import BINARY_SNIFF_BYTES, CleaningStats, clean_text  # noqa: F401 - re-exported
 from tenx.data.dedup import group_splits, groups_from_signatures
+from tenx.data.engine import merge_scan, merge_tokenize, run_stage
 from tenx.data.manifest import (
     FORMAT,
-    INDEX_DTYPE,
     MANIFEST_NAME,
     SPLITS,
     read_manifest,
@@ -30,10 +30,10 @@ from tenx.data.manifest import (
 from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD, INDEX_FILE, load_index, remove_stale_indexes
 from tenx.data.partitioned import Partitions, decontaminate, fill, write_index
 from tenx.data.sources import effective_patterns, source_provenance
-from tenx.data.stream import TokenReader, Work, kept_documents, scan, signatures, texts, tokenize
+from tenx.data.stream import ShardWriter, TokenReader, Work, kept_documents, scan, signatures, texts, tokenize
 from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
-from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash, fsync_dir
+from tenx.utils.io import atomic_write_json, fsync_dir
 
 TOKENIZERS = ("bpe", "bytes")
 TOKENIZER_SAMPLE_MB = 256.0
@@ -109,6 +109,14 @@ class PrepareConfig:
     resume: bool = field(
         False, help="continue an interrupted prepare of the same source and settings where it stopped"
     )
+    engine: Literal["local", "datatrove", "datatrove-slurm"] = field(
+        "local",
+        help="who runs the scan and tokenize passes: 'local' worker processes, or datatrove tasks on this "
+        "machine or as Slurm job arrays (docs/data.md); the output is the same",
+    )
+    tasks: int | None = field(None, ge=1, help="datatrove engines: tasks per pass (default: workers)")
+    slurm_partition: str = field("", help="datatrove-slurm: the partition the tasks run on")
+    slurm_time: str = field("24:00:00", help="datatrove-slurm: time limit of a task")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and what it accepts."""
@@ -158,6 +166,10 @@ class PrepareConfig:
         if not _is_int(self.ngram_index):
             raise ConfigError(f"ngram_index must be an integer (0: no index), got {self.ngram_index!r}")
         check_bounds(self)
+        if self.engine == "datatrove-slurm" and not self.slurm_partition:
+            raise ConfigError(
+                "engine 'datatrove-slurm' needs slurm_partition (--slurm-partition), the tasks' partition"
+            )
 
 
 def _is_int(value: Any) -> bool:
@@ -202,6 +214,8 @@ def _prepare(
     workers = cfg.workers or os.cpu_count() or 1
     laps: dict[str, float] = {}
     lap = _stopwatch(laps)
+    if cfg.engine != "local" and not work.state.get("scan", {}).get("final"):
+        merge_scan(cfg, work, run_stage("scan", cfg, work))
     stats = scan(cfg, work, workers, progress)
     lap("scan")
     rows, ids = kept_documents(work)
@@ -237,6 +251,9 @@ def _prepare(
     tokenizer_entry = tokenizer.save(out)
     lap("tokenizer")
     dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
+    if cfg.engine != "local" and not work.state.get("tokenize", {}).get("final"):
+        tasks = run_stage("tokenize", cfg, work, (tokenizer_entry, dtype))
+        merge_tokenize(work, tasks, len(rows), dtype)
     offsets = tokenize(cfg, work, rows, tokenizer_entry, dtype, workers, progress)
     lap("tokenize")
     reader = TokenReader(work, offsets, dtype)
@@ -423,53 +440,6 @@ def _build_tokenizer(
     return tokenizer
 
 
-class _ShardWriter:
-    """Writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries, streaming each shard into a hidden
-    file that is renamed into place once complete (a shard is never read half-written)."""
-
-    def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
-        self.out, self.split, self.shard_tokens = out, split, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self._file: Any = None
-        self._starts: list[int] = []
-        self._tokens = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        if self._tokens and self._tokens + len(tokens) > self.shard_tokens:
-            self.flush()
-        if self._file is None:
-            self._path = self.out / f".{self.split}_{len(self.shards):05d}.bin.tmp"
-            self._file, self._digest = open(self._path, "wb"), xxhash.xxh3_64()  # noqa: SIM115
-        data = tokens.tobytes()
-        self._file.write(data)
-        self._digest.update(data)
-        self._starts.append(self._tokens)
-        self._tokens += len(tokens)
-
-    def flush(self) -> None:
-        if self._file is None:
-            return
-        stem = f"{self.split}_{len(self.shards):05d}"
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
-        index = np.asarray(self._starts, dtype=INDEX_DTYPE).tobytes()
-        atomic_write_bytes(self.out / f"{stem}.idx", index)
-        self._path.replace(self.out / f"{stem}.bin")
-        self.shards.append(
-            {
-                "file": f"{stem}.bin",
-                "index_file": f"{stem}.idx",
-                "tokens": self._tokens,
-                "documents": len(self._starts),
-                "xxhash": self._digest.hexdigest(),
-                "index_xxhash": bytes_xxhash(index),
-            }
-        )
-        self._starts, self._tokens = [], 0
-
-
 def _move_contaminated(
     cfg: PrepareConfig,
     work: Work,
@@ -524,7 +494,7 @@ def _write_split(
     reader: TokenReader,
     shard_tokens: int,
 ) -> dict[str, Any]:
-    writer = _ShardWriter(out, split, shard_tokens)
+    writer = ShardWriter(out, split, shard_tokens)
     for i in members:
         writer.add(reader(i))
     writer.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,16 +97,19 @@ def iter_documents(
     text_field: str = "text",
     id_field: str | None = None,
     column: str = "text",
+    select: Callable[[int], bool] | None = None,
 ) -> Iterator[RawDocument]:
-    """Yield the documents of a source in a deterministic order."""
+    """Yield the documents of a source in a deterministic order. With `select`, a document whose position
+    it rejects may come with empty data (a directory's file is then not read: a task of a distributed
+    prepare reads only its own share)."""
     kind = source_kind(spec)
     globs = effective_patterns(spec, patterns)
     if kind == "stdlib":
         assert globs is not None
-        yield from _iter_directory(stdlib_dir(), globs, excluded_dirs=_STDLIB_EXCLUDED_DIRS)
+        yield from _iter_directory(stdlib_dir(), globs, _STDLIB_EXCLUDED_DIRS, select)
     elif kind == "dir":
         assert globs is not None
-        yield from _iter_directory(Path(spec), globs, excluded_dirs=frozenset())
+        yield from _iter_directory(Path(spec), globs, frozenset(), select)
     elif kind == "txt":
         path = Path(spec)
         yield RawDocument(id=path.name, data=path.read_bytes())
@@ -118,7 +121,12 @@ def iter_documents(
         yield from _iter_hf(spec[len("hf:") :], column)
 
 
-def _iter_directory(root: Path, patterns: list[str], excluded_dirs: frozenset[str]) -> Iterator[RawDocument]:
+def _iter_directory(
+    root: Path,
+    patterns: list[str],
+    excluded_dirs: frozenset[str],
+    select: Callable[[int], bool] | None = None,
+) -> Iterator[RawDocument]:
     relative: set[str] = set()
     for pattern in patterns:
         try:
@@ -130,8 +138,9 @@ def _iter_directory(root: Path, patterns: list[str], excluded_dirs: frozenset[st
             if excluded_dirs.intersection(rel.parts[:-1]) or not path.is_file():
                 continue
             relative.add(rel.as_posix())
-    for rel_path in sorted(relative):
-        yield RawDocument(id=rel_path, data=(root / rel_path).read_bytes())
+    for i, rel_path in enumerate(sorted(relative)):
+        wanted = select is None or select(i)
+        yield RawDocument(id=rel_path, data=(root / rel_path).read_bytes() if wanted else b"")
 
 
 def _iter_jsonl(path: Path, text_field: str, id_field: str | None) -> Iterator[RawDocument]:

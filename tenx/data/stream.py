@@ -41,8 +41,9 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from tenx.data.manifest import INDEX_DTYPE
 from tenx.errors import DataError
-from tenx.utils.io import atomic_write_json
+from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash
 
 WORK_DIR = ".prepare-work"
 ROW = np.dtype([("seq", "<u8"), ("num_bytes", "<u8"), ("digest", "V16")])
@@ -211,14 +212,22 @@ def _scan_batch(batch: list[tuple[int, str, Any]]) -> list[tuple[str, Any, Any, 
     return out
 
 
-def _source(cfg: Any, start: int, seen_ids: set[str] | None = None) -> Iterator[tuple[int, str, Any]]:
-    """(read position, id, raw data) of the source's documents from `start` (ids before it go to seen_ids)."""
+def _source(
+    cfg: Any, start: int, seen_ids: set[str] | None = None, select: Callable[[int], bool] | None = None
+) -> Iterator[tuple[int, str, Any]]:
+    """(read position, id, raw data) of the source's documents from `start` (ids before it go to seen_ids);
+    with `select`, a rejected position may come with empty data (see iter_documents)."""
     import itertools
 
     from tenx.data.sources import iter_documents
 
     raw = iter_documents(
-        cfg.source, patterns=cfg.patterns, text_field=cfg.text_field, id_field=cfg.id_field, column=cfg.column
+        cfg.source,
+        patterns=cfg.patterns,
+        text_field=cfg.text_field,
+        id_field=cfg.id_field,
+        column=cfg.column,
+        select=select,
     )
     for seq, doc in enumerate(itertools.islice(raw, cfg.max_documents)):
         if seq < start:
@@ -228,27 +237,79 @@ def _source(cfg: Any, start: int, seen_ids: set[str] | None = None) -> Iterator[
         yield seq, doc.id, doc.data
 
 
+class Scanner:
+    """The main process's side of the scan: every document's outcome in read order goes through `take`,
+    which counts it, refuses a repeated id, drops an exact duplicate and appends a kept document's row, id
+    and signature; `commit` records how far it got. The same for local workers and for engine tasks."""
+
+    def __init__(self, cfg: Any, work: Work) -> None:
+        from tenx.data.clean import CleaningStats
+        from tenx.data.dedup import NUM_PERM
+
+        self.cfg, self.work = cfg, work
+        self.done = work.state.get(
+            "scan", {"seq": 0, "rows": 0, "ids": 0, "signatures": 0, "stats": {}, "final": False}
+        )
+        self.stats = CleaningStats(**self.done["stats"])
+        self.rows = _Appender(work.path("rows.bin"), self.done["rows"])
+        self.ids = _Appender(work.path("ids.txt"), self.done["ids"])
+        self.sigs = _Appender(work.path("signatures.bin"), self.done["signatures"])
+        self.seen_ids: set[str] = set()
+        self.digests = (
+            {bytes(r["digest"]) for r in np.fromfile(work.path("rows.bin"), dtype=ROW)}
+            if self.done["rows"]
+            else set()
+        )
+        self.near = bool(cfg.near_dup_threshold)
+        self._empty = np.zeros(NUM_PERM, dtype=np.uint64).tobytes()
+
+    def take(
+        self, seq: int, doc_id: str, outcome: str, digest: bytes | None, num_bytes: int, sig: Any
+    ) -> None:
+        stats = self.stats
+        stats.documents_seen += 1
+        if doc_id in self.seen_ids:
+            raise DataError(
+                f"{self.cfg.source}: two documents share the id {doc_id!r}; document ids must be unique"
+            )
+        self.seen_ids.add(doc_id)
+        if not outcome.startswith("kept"):
+            setattr(stats, outcome, getattr(stats, outcome) + 1)
+            return
+        stats.decoded_with_replacement += outcome == "kept-replaced"
+        if digest in self.digests:
+            stats.duplicates_removed += 1
+            return
+        self.digests.add(digest)
+        stats.documents_kept += 1
+        self.rows.write(np.array([(seq, num_bytes, digest)], dtype=ROW).tobytes())
+        self.ids.write(json.dumps(doc_id).encode() + b"\n")
+        if self.near:
+            self.sigs.write(sig.tobytes() if sig is not None else self._empty)
+
+    def commit(self, seq: int | None, final: bool) -> None:
+        record = {
+            "seq": seq if seq is not None else self.done["seq"],
+            "rows": self.rows.sync(),
+            "ids": self.ids.sync(),
+            "signatures": self.sigs.sync(),
+            "stats": asdict(self.stats),
+            "final": final,
+        }
+        self.work.commit("scan", record)
+
+    def close(self) -> None:
+        for f in (self.rows, self.ids, self.sigs):
+            f.close()
+
+
 def scan(cfg: Any, work: Work, workers: int, progress: bool) -> dict[str, Any]:
     """Pass 1 (resumable): the kept documents' rows, ids and signatures; returns the cleaning stats."""
-    from tenx.data.clean import CleaningStats
-    from tenx.data.dedup import NUM_PERM
-
-    done = work.state.get(
-        "scan", {"seq": 0, "rows": 0, "ids": 0, "signatures": 0, "stats": {}, "final": False}
-    )
-    if done["final"]:
+    done = work.state.get("scan")
+    if done is not None and done["final"]:
         return done["stats"]
-    stats = CleaningStats(**done["stats"])
-    rows = _Appender(work.path("rows.bin"), done["rows"])
-    ids = _Appender(work.path("ids.txt"), done["ids"])
-    sigs = _Appender(work.path("signatures.bin"), done["signatures"])
-    seen_ids: set[str] = set()
-    digests = (
-        {bytes(r["digest"]) for r in np.fromfile(work.path("rows.bin"), dtype=ROW)} if done["rows"] else set()
-    )
-    near = bool(cfg.near_dup_threshold)
-    empty_signature = np.zeros(NUM_PERM, dtype=np.uint64).tobytes()
-    batches = _batches(_source(cfg, done["seq"], seen_ids))
+    scanner = Scanner(cfg, work)
+    batches = _batches(_source(cfg, scanner.done["seq"], scanner.seen_ids))
     pending: list[list[tuple[int, str, Any]]] = []
 
     def tracked() -> Iterator[list[tuple[int, str, Any]]]:
@@ -258,54 +319,21 @@ def scan(cfg: Any, work: Work, workers: int, progress: bool) -> dict[str, Any]:
 
     count = 0
     bar = tqdm(desc="scanning", unit="doc", disable=not progress, file=sys.stderr)
+    init = (cfg.near_dup_shingle, scanner.near)
     try:
-        for results in ordered_map(_scan_batch, tracked(), workers, _scan_init, (cfg.near_dup_shingle, near)):
+        for results in ordered_map(_scan_batch, tracked(), workers, _scan_init, init):
             batch = pending.pop(0)
-            for (seq, doc_id, _), (outcome, digest, num_bytes, sig) in zip(batch, results, strict=True):
-                stats.documents_seen += 1
-                if doc_id in seen_ids:
-                    raise DataError(
-                        f"{cfg.source}: two documents share the id {doc_id!r}; document ids must be unique"
-                    )
-                seen_ids.add(doc_id)
-                if not outcome.startswith("kept"):
-                    setattr(stats, outcome, getattr(stats, outcome) + 1)
-                    continue
-                stats.decoded_with_replacement += outcome == "kept-replaced"
-                if digest in digests:
-                    stats.duplicates_removed += 1
-                    continue
-                digests.add(digest)
-                stats.documents_kept += 1
-                row = np.array([(seq, num_bytes, digest)], dtype=ROW)
-                rows.write(row.tobytes())
-                ids.write(json.dumps(doc_id).encode() + b"\n")
-                if near:
-                    sigs.write(sig.tobytes() if sig is not None else empty_signature)
+            for (seq, doc_id, _), result in zip(batch, results, strict=True):
+                scanner.take(seq, doc_id, *result)
             bar.update(len(batch))
             count += 1
             if count % COMMIT_BATCHES == 0:
-                _commit_scan(work, batch[-1][0] + 1, rows, ids, sigs, stats, final=False)
-        _commit_scan(work, None, rows, ids, sigs, stats, final=True)
+                scanner.commit(batch[-1][0] + 1, final=False)
+        scanner.commit(None, final=True)
     finally:
         bar.close()
-        for f in (rows, ids, sigs):
-            f.close()
-    return asdict(stats)
-
-
-def _commit_scan(
-    work: Work, seq: int | None, rows: _Appender, ids: _Appender, sigs: _Appender, stats: Any, final: bool
-) -> None:
-    record = {
-        "seq": seq if seq is not None else work.state.get("scan", {}).get("seq", 0),
-        "rows": rows.sync(),
-        "ids": ids.sync(),
-        "signatures": sigs.sync(),
-        "stats": asdict(stats),
-        "final": final,
-    }
-    work.commit("scan", record)
+        scanner.close()
+    return asdict(scanner.stats)
 
 
 def kept_documents(work: Work) -> tuple[np.ndarray, list[str]]:
@@ -441,3 +469,50 @@ class TokenReader:
 
     def close(self) -> None:
         self.f.close()
+
+
+class ShardWriter:
+    """Writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries, streaming each shard into a hidden
+    file that is renamed into place once complete (a shard is never read half-written)."""
+
+    def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file: Any = None
+        self._starts: list[int] = []
+        self._tokens = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        if self._tokens and self._tokens + len(tokens) > self.shard_tokens:
+            self.flush()
+        if self._file is None:
+            self._path = self.out / f".{self.split}_{len(self.shards):05d}.bin.tmp"
+            self._file, self._digest = open(self._path, "wb"), xxhash.xxh3_64()  # noqa: SIM115
+        data = tokens.tobytes()
+        self._file.write(data)
+        self._digest.update(data)
+        self._starts.append(self._tokens)
+        self._tokens += len(tokens)
+
+    def flush(self) -> None:
+        if self._file is None:
+            return
+        stem = f"{self.split}_{len(self.shards):05d}"
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        index = np.asarray(self._starts, dtype=INDEX_DTYPE).tobytes()
+        atomic_write_bytes(self.out / f"{stem}.idx", index)
+        self._path.replace(self.out / f"{stem}.bin")
+        self.shards.append(
+            {
+                "file": f"{stem}.bin",
+                "index_file": f"{stem}.idx",
+                "tokens": self._tokens,
+                "documents": len(self._starts),
+                "xxhash": self._digest.hexdigest(),
+                "index_xxhash": bytes_xxhash(index),
+            }
+        )
+        self._starts, self._tokens = [], 0

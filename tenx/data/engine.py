@@ -1,0 +1,202 @@
+"""`tenx data prepare --engine datatrove`: the two heavy passes as tasks of Hugging Face datatrove's executors.
+
+Where one machine's cores are not enough, the scan and the tokenize pass (tenx/data/stream.py) run as
+datatrove pipeline steps over `tasks` ranks: locally with `LocalPipelineExecutor` (a process pool), or on a
+cluster with `SlurmPipelineExecutor` (job arrays; the driver waits for every rank's completion marker).
+Task r handles the documents whose read position is r modulo the task count (a directory's other files are
+not even read), writes its results to `OUT/.prepare-work/` (a shared filesystem on a cluster) under a
+temporary name and renames them when done; datatrove records completed ranks in its logging directory and
+skips them when the preparation is started again (`--resume`), so a lost node costs only its tasks.
+
+The driver (the `tenx data prepare` process) merges between the passes, in read order: the scan's outcomes
+go through the same `Scanner` as local workers' (exact duplicates, repeated ids, counts), and the tokens are
+copied into the one spill file the local pipeline writes. Everything after (near-duplicates, tokenizer,
+decontamination, shards, index) is the local pipeline's, so the output is byte-identical to a local prepare
+with any number of workers (tested with 2 local tasks against 1 worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tenx.data import stream
+from tenx.errors import ConfigError, DataError
+
+TASK = np.dtype([("seq", "<u8"), ("code", "u1"), ("num_bytes", "<u8"), ("digest", "V16")])
+OUTCOMES = ("kept", "kept-replaced", "empty_skipped", "binary_skipped")
+
+
+def _task_path(work_dir: Path, stage: str, rank: int, suffix: str) -> Path:
+    return work_dir / f"{stage}-task-{rank:05d}.{suffix}"
+
+
+def _publish(paths: list[Path]) -> None:
+    for path in paths:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        path.replace(path.with_name(path.name.removesuffix(".tmp")))
+
+
+def scan_task(cfg: Any, rank: int, world: int) -> None:
+    """One rank of the scan: outcome, bytes, digest, id and signature of each of its documents, in order."""
+    from tenx.data.dedup import NUM_PERM
+
+    work_dir = Path(cfg.out) / stream.WORK_DIR
+    paths = [_task_path(work_dir, "scan", rank, f"{s}.tmp") for s in ("rows", "ids", "sigs")]
+    stream._scan_init(cfg.near_dup_shingle, bool(cfg.near_dup_threshold))
+    empty = np.zeros(NUM_PERM, dtype=np.uint64).tobytes()
+    mine = stream._source(cfg, 0, select=lambda seq: seq % world == rank)
+    with open(paths[0], "wb") as rows, open(paths[1], "wb") as ids, open(paths[2], "wb") as sigs:
+        for batch in stream._batches(d for d in mine if d[0] % world == rank):
+            for (seq, doc_id, _), (outcome, digest, num_bytes, sig) in zip(
+                batch, stream._scan_batch(batch), strict=True
+            ):
+                code = OUTCOMES.index(outcome)
+                rows.write(np.array([(seq, code, num_bytes, digest or bytes(16))], dtype=TASK).tobytes())
+                ids.write(json.dumps(doc_id).encode() + b"\n")
+                sigs.write(sig.tobytes() if sig is not None else empty)
+    _publish(paths)
+
+
+def merge_scan(cfg: Any, work: stream.Work, world: int) -> dict[str, Any]:
+    """The ranks' outcomes through the Scanner in read order (position p is rank p % world's p // world-th)."""
+    from tenx.data.dedup import NUM_PERM
+
+    scanner = stream.Scanner(cfg, work)
+    rows = [np.fromfile(_task_path(work.dir, "scan", r, "rows"), dtype=TASK) for r in range(world)]
+    sigs = [
+        np.memmap(
+            _task_path(work.dir, "scan", r, "sigs"), dtype=np.uint64, mode="r", shape=(len(rows[r]), NUM_PERM)
+        )
+        if len(rows[r])
+        else None
+        for r in range(world)
+    ]
+    ids = [open(_task_path(work.dir, "scan", r, "ids"), "rb") for r in range(world)]  # noqa: SIM115
+    try:
+        for seq in range(sum(len(r) for r in rows)):
+            r, i = seq % world, seq // world
+            row = rows[r][i]
+            if int(row["seq"]) != seq:
+                raise DataError(
+                    f"{work.dir}: scan task {r} skipped position {seq}; prepare again without --resume"
+                )
+            sig = np.asarray(sigs[r][i]) if sigs[r] is not None else None  # type: ignore[index]
+            outcome = OUTCOMES[int(row["code"])]
+            scanner.take(
+                seq, json.loads(ids[r].readline()), outcome, bytes(row["digest"]), int(row["num_bytes"]), sig
+            )
+        scanner.commit(None, final=True)
+    finally:
+        scanner.close()
+        for f in ids:
+            f.close()
+    return dataclasses.asdict(scanner.stats)
+
+
+def tokenize_task(cfg: Any, rank: int, world: int, entry: dict[str, Any], dtype: str) -> None:
+    """One rank of the tokenize pass: kept documents k with k % world == rank, tokens and lengths in order."""
+    work_dir = Path(cfg.out) / stream.WORK_DIR
+    rows = np.fromfile(work_dir / "rows.bin", dtype=stream.ROW)
+    own = {int(s): k for k, s in enumerate(rows["seq"]) if k % world == rank}
+    stream._tokenize_init(str(cfg.out), entry, dtype)
+    paths = [_task_path(work_dir, "tokenize", rank, f"{s}.tmp") for s in ("tokens", "lengths")]
+    mine = stream._source(cfg, 0, select=lambda seq: seq in own)
+    itemsize = np.dtype(dtype).itemsize
+    with open(paths[0], "wb") as tokens, open(paths[1], "wb") as lengths:
+        for batch in stream._batches(d for d in mine if d[0] in own):
+            for data in stream._tokenize_batch(batch):
+                tokens.write(data)
+                lengths.write(np.array([len(data) // itemsize], dtype="<u8").tobytes())
+    _publish(paths)
+
+
+def merge_tokenize(work: stream.Work, world: int, count: int, dtype: str) -> None:
+    """The ranks' tokens copied into tokens.bin and offsets.bin in kept order (each rank's file read once)."""
+    itemsize = np.dtype(dtype).itemsize
+    lengths = [np.fromfile(_task_path(work.dir, "tokenize", r, "lengths"), dtype="<u8") for r in range(world)]
+    if sum(len(x) for x in lengths) != count:
+        raise DataError(f"{work.dir}: the tokenize tasks hold {sum(map(len, lengths))} of {count} documents")
+    sources = [open(_task_path(work.dir, "tokenize", r, "tokens"), "rb") for r in range(world)]  # noqa: SIM115
+    try:
+        with open(work.path("tokens.bin"), "wb") as tokens, open(work.path("offsets.bin"), "wb") as offsets:
+            start = 0
+            for k in range(count):
+                n = int(lengths[k % world][k // world])
+                tokens.write(sources[k % world].read(n * itemsize))
+                offsets.write(np.array([(start, n)], dtype=stream.OFFSET).tobytes())
+                start += n
+            tokens.flush()
+            os.fsync(tokens.fileno())
+            offsets.flush()
+            os.fsync(offsets.fileno())
+            work.commit(
+                "tokenize", {"seq": None, "tokens": start * itemsize, "offsets": count * 16, "final": True}
+            )
+    finally:
+        for f in sources:
+            f.close()
+
+
+def _step(stage: str, cfg: Any, extra: tuple) -> Any:
+    """A datatrove pipeline step that runs one rank of `stage` (defined lazily: datatrove is optional)."""
+    from datatrove.pipeline.base import PipelineStep
+
+    class TenxPrepareStep(PipelineStep):
+        name = f"tenx prepare {stage}"
+        type = "tenx"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.cfg = cfg  # a PrepareConfig: pickled to each task's process
+
+        def run(self, data: Any, rank: int = 0, world_size: int = 1) -> Any:
+            (scan_task if stage == "scan" else tokenize_task)(self.cfg, rank, world_size, *extra)
+            yield from data or ()
+
+    return TenxPrepareStep()
+
+
+def run_stage(stage: str, cfg: Any, work: stream.Work, extra: tuple = ()) -> int:
+    """Run `stage` as datatrove tasks (locally, or as a Slurm job array the driver waits for); the task count."""
+    try:
+        from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
+    except ImportError:
+        raise ConfigError(
+            "engine 'datatrove' needs the datatrove package: pip install datatrove (or use --engine local)"
+        ) from None
+    tasks = cfg.tasks or cfg.workers or os.cpu_count() or 1
+    logs = str(work.dir / f"datatrove-{stage}")
+    pipeline = [_step(stage, cfg, extra)]
+    if cfg.engine == "datatrove":
+        workers = min(tasks, cfg.workers or os.cpu_count() or 1)
+        executor = LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=logs)
+        executor.run()
+    else:
+        if not cfg.slurm_partition:
+            raise ConfigError(
+                "engine 'datatrove-slurm' needs --slurm-partition (the partition the tasks run on)"
+            )
+        executor = SlurmPipelineExecutor(
+            pipeline=pipeline,
+            tasks=tasks,
+            time=cfg.slurm_time,
+            partition=cfg.slurm_partition,
+            logging_dir=logs,
+            job_name=f"tenx-prepare-{stage}",
+            cpus_per_task=1,
+        )
+        executor.run()
+        while executor.get_incomplete_ranks():  # the driver waits for every rank's completion marker
+            time.sleep(30)
+    missing = [r for r in range(tasks) if not executor.is_rank_completed(r)]
+    if missing:
+        raise DataError(f"{stage}: datatrove tasks {missing[:5]} did not complete; see {logs}, then --resume")
+    return tasks
