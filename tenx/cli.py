@@ -30,8 +30,30 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
     from tenx.data.prepare import PrepareConfig, format_summary, prepare
 
     cfg = config_from_args(PrepareConfig, args, PREPARE_FLAGS)
+    if args.emit:
+        from tenx.data.engine import emit_slurm
+
+        print(f"wrote {emit_slurm(cfg, _prepare_argv(cfg))}: sbatch it")
+        return
     manifest = prepare(cfg, progress=not args.quiet)
     print(format_summary(manifest, args.out))
+
+
+def _prepare_argv(cfg: Any) -> list[str]:
+    """The `tenx data prepare` flags that give `cfg` (its source and out, and what differs from defaults)."""
+    from tenx.data.prepare import PrepareConfig
+
+    defaults, argv = PrepareConfig(source=cfg.source, out=cfg.out), []
+    for name in PREPARE_FLAGS:
+        value = getattr(cfg, name)
+        if name not in ("source", "out") and value == getattr(defaults, name):
+            continue
+        flag = "--pattern" if name == "patterns" else "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [x for item in (value if isinstance(value, list) else [value]) for x in (flag, str(item))]
+    return argv
 
 
 def cmd_data_index(args: argparse.Namespace) -> None:
@@ -252,6 +274,9 @@ def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
 
     add_config_arguments(dp, PrepareConfig, PREPARE_FLAGS, flags={"patterns": "--pattern"})
     dp.add_argument("--quiet", action="store_true", help="no progress bar")
+    dp.add_argument(
+        "--emit", choices=["slurm"], help="write OUT.sbatch, a Slurm job driving the datatrove-slurm engine"
+    )
 
 
 def _ladder_arguments(lp: argparse.ArgumentParser) -> None:

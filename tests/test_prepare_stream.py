@@ -136,3 +136,28 @@ def test_the_datatrove_engine_gives_the_local_output(corpus, tmp_path):
     assert files_of(engine) == files_of(local)
     with pytest.raises(ConfigError, match="slurm_partition"):
         prepare(config(corpus, tmp_path / "slurm", engine="datatrove-slurm"), progress=False)
+
+
+def test_emit_slurm_writes_a_driver_job_beside_the_output(corpus, tmp_path):
+    from tenx.cli import main
+
+    out = tmp_path / "data"
+    main(
+        [
+            "data",
+            "prepare",
+            "--source",
+            str(corpus),
+            "--out",
+            str(out),
+            "--slurm-partition",
+            "cpu",
+            "--emit",
+            "slurm",
+        ]
+    )
+    script = (tmp_path / "data.sbatch").read_text()
+    assert (
+        "#SBATCH --partition=cpu" in script and not out.exists()
+    )  # nothing prepared, nothing written inside
+    assert script.rstrip().endswith("--engine datatrove-slurm --resume") and "--emit" not in script

@@ -200,3 +200,52 @@ def run_stage(stage: str, cfg: Any, work: stream.Work, extra: tuple = ()) -> int
     if missing:
         raise DataError(f"{stage}: datatrove tasks {missing[:5]} did not complete; see {logs}, then --resume")
     return tasks
+
+
+def emit_slurm(cfg: Any, argv: list[str]) -> Path:
+    """Write `OUT.sbatch` beside the output directory: a one-CPU job that runs this prepare as the driver of
+    datatrove-slurm job arrays (`argv`: the command's arguments without --emit), resuming what a previous
+    job finished; submit it with `sbatch OUT.sbatch`."""
+    import shlex
+
+    from tenx.utils.io import atomic_write_text
+
+    if not cfg.slurm_partition:
+        raise ConfigError("--emit slurm needs --slurm-partition, the partition the tasks run on")
+    args = list(argv)
+    for flag in ("--engine", "--resume"):
+        while flag in args:
+            at = args.index(flag)
+            del args[at : at + (2 if flag == "--engine" else 1)]
+    out = Path(cfg.out).resolve()
+    command = [
+        "python",
+        "-m",
+        "tenx",
+        "data",
+        "prepare",
+        *args,
+        "--engine",
+        "datatrove-slurm",
+        "--resume",
+    ]
+    text = "\n".join(
+        [
+            "#!/bin/bash",
+            f"#SBATCH --job-name=tenx-prepare-{out.name}",
+            "#SBATCH --ntasks=1",
+            "#SBATCH --cpus-per-task=2",
+            f"#SBATCH --partition={cfg.slurm_partition}",
+            f"#SBATCH --time={cfg.slurm_time}",
+            f"#SBATCH --output={out}.slurm-%j.out",
+            "# The driver: submits the scan and tokenize passes as datatrove job arrays, waits for them, merges,",
+            "# and writes the shards; resubmitting this script resumes (completed tasks are skipped).",
+            "set -euo pipefail",
+            f"cd {shlex.quote(str(Path.cwd()))}",
+            shlex.join(command),
+        ]
+    )
+    path = out.with_name(f"{out.name}.sbatch")
+    atomic_write_text(path, text + "\n")
+    path.chmod(0o755)
+    return path

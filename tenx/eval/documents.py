@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
 from tenx.data.clean import CleaningStats, clean_text
+from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
 from tenx.data.sources import iter_documents
 from tenx.data.tokenizer import Tokenizer
 from tenx.errors import DataError
