@@ -143,7 +143,8 @@ def test_measure_fits_the_factors_and_the_next_plan_uses_them(tiny_data, tmp_pat
         check=True,
     ).stdout
     ratios = [line.split() for line in out.splitlines() if line.startswith("micro-batch")]
-    assert len(ratios) == 2 and all(r[-4] == "1.00" and r[-1] == "1.00" for r in ratios), out  # after the fit
+    # after the fit (two points, two unknowns each; a bound can clip one, e.g. memory that did not grow)
+    assert len(ratios) == 2 and all(0.9 <= float(r[i]) <= 1.1 for r in ratios for i in (-4, -1)), out
     saved = json.loads((tmp_path / "plan-calibration.json").read_text())["cpu-2core"]
     assert 0 < saved["compute_efficiency"] <= 1 and saved["runtime_gb"] > 0
     again = subprocess.run([*cmd, "--cluster", "cpu"], capture_output=True, text=True, env=env, check=True)
