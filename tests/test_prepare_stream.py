@@ -161,3 +161,18 @@ def test_emit_slurm_writes_a_driver_job_beside_the_output(corpus, tmp_path):
         "#SBATCH --partition=cpu" in script and not out.exists()
     )  # nothing prepared, nothing written inside
     assert script.rstrip().endswith("--engine datatrove-slurm --resume") and "--emit" not in script
+
+
+def test_a_foreign_work_directory_or_sbatch_file_is_never_touched(corpus, tmp_path):
+    out = tmp_path / "o"
+    (out / stream.WORK_DIR).mkdir(parents=True)
+    (out / stream.WORK_DIR / "mine.txt").write_text("user data")
+    with pytest.raises(DataError, match="not a tenx work directory"):
+        prepare(config(corpus, out), progress=False)
+    assert (out / stream.WORK_DIR / "mine.txt").read_text() == "user data"
+    (tmp_path / "d.sbatch").write_text("#!/bin/bash\necho mine\n")
+    from tenx.data.engine import emit_slurm
+
+    with pytest.raises(ConfigError, match="tenx did not write it"):
+        emit_slurm(config(corpus, tmp_path / "d", slurm_partition="cpu"), [])
+    assert "echo mine" in (tmp_path / "d.sbatch").read_text()

@@ -246,6 +246,8 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
         ]
     )
     path = out.with_name(f"{out.name}.sbatch")
+    if path.exists() and "#SBATCH --job-name=tenx-prepare-" not in path.read_text(errors="replace"):
+        raise ConfigError(f"{path} exists and tenx did not write it; move it away or choose another --out")
     atomic_write_text(path, text + "\n")
     path.chmod(0o755)
     return path

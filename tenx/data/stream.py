@@ -60,6 +60,14 @@ class Work:
     def __init__(self, out: Path, fingerprint: dict[str, Any], resume: bool) -> None:
         self.dir = out / WORK_DIR
         self.state_path = self.dir / "state.json"
+        if self.dir.exists() and (
+            self.dir.is_symlink() or not self.dir.is_dir() or not self.state_path.is_file()
+        ):
+            if self.dir.is_symlink() or not self.dir.is_dir() or any(self.dir.iterdir()):
+                raise DataError(
+                    f"{self.dir} exists but is not a tenx work directory (no state.json); move it away, "
+                    "nothing was changed"
+                )
         state: dict[str, Any] = {}
         if resume:
             try:
