@@ -48,7 +48,7 @@ def _prepare_argv(cfg: Any) -> list[str]:
         value = getattr(cfg, name)
         if name not in ("source", "out") and value == getattr(defaults, name):
             continue
-        flag = "--pattern" if name == "patterns" else "--" + name.replace("_", "-")
+        flag = PREPARE_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
         if isinstance(value, bool):
             argv += [flag] if value else []
         else:
@@ -252,6 +252,8 @@ PREPARE_FLAGS += (
     "slurm_time",
 )
 """The PrepareConfig fields `tenx data prepare` takes as flags."""
+PREPARE_FLAG_NAMES = {"patterns": "--pattern"}
+"""Flags of `tenx data prepare` not named after their field."""
 LADDER_FLAGS = (
     "grid",
     "tokens_per_param",
@@ -272,7 +274,7 @@ LIGHTHOUSE_FLAGS = ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbea
 def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
     from tenx.data.prepare import PrepareConfig
 
-    add_config_arguments(dp, PrepareConfig, PREPARE_FLAGS, flags={"patterns": "--pattern"})
+    add_config_arguments(dp, PrepareConfig, PREPARE_FLAGS, flags=PREPARE_FLAG_NAMES)
     dp.add_argument("--quiet", action="store_true", help="no progress bar")
     dp.add_argument(
         "--emit", choices=["slurm"], help="write OUT.sbatch, a Slurm job driving the datatrove-slurm engine"

@@ -247,8 +247,7 @@ def _prepare(
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(out)
 
-    tokenizer = _build_tokenizer(cfg, work, rows, ids, members["train"], progress)
-    tokenizer_entry = tokenizer.save(out)
+    tokenizer, tokenizer_entry = _build_tokenizer(cfg, work, rows, ids, members["train"], progress)
     lap("tokenizer")
     dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
     if cfg.engine != "local" and not work.state.get("tokenize", {}).get("final"):
@@ -407,15 +406,16 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
 
 def _build_tokenizer(
     cfg: PrepareConfig, work: Work, rows: np.ndarray, ids: list[str], train: list[int], progress: bool
-) -> Tokenizer:
+) -> tuple[Tokenizer, dict[str, Any]]:
     """Bytes, or a BPE trained on the train split (a seeded sample of about tokenizer_sample_mb of it when
-    larger: a document is in when a hash of seed and id is below budget / train bytes); kept across a resume."""
+    larger: a document is in when a hash of seed and id is below budget / train bytes), saved in OUT, and its
+    manifest entry; a trained one is kept across a resume."""
     if cfg.tokenizer == "bytes":
-        return ByteTokenizer()
+        return ByteTokenizer(), ByteTokenizer().save(Path(cfg.out))
     entry = work.state.get("tokenizer")
     if entry is not None:
         try:
-            return load_tokenizer(cfg.out, entry)
+            return load_tokenizer(cfg.out, entry), entry
         except DataError:
             pass  # trained again below
     sizes = rows["num_bytes"][train]
@@ -436,8 +436,9 @@ def _build_tokenizer(
             file=sys.stderr,
         )
     tokenizer = train_bpe(texts(cfg, wanted, progress), cfg.vocab_size)
-    work.commit("tokenizer", tokenizer.save(Path(cfg.out)))
-    return tokenizer
+    entry = tokenizer.save(Path(cfg.out))
+    work.commit("tokenizer", entry)
+    return tokenizer, entry
 
 
 def _move_contaminated(

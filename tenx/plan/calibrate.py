@@ -185,12 +185,12 @@ def fit_all(
     """`fit` on the single-rank cases, then `fit_latency` on the multi-rank ones (if any), each set on
     `cluster` as it is fitted; the factors."""
     factors = fit(single, cluster)
-    if multi:
-        for key, value in factors.items():
-            setattr(cluster.cluster, key, value)
-        factors.update(fit_latency(multi, cluster))
     for key, value in factors.items():
         setattr(cluster.cluster, key, value)
+    if multi:  # fitted with the single-rank factors in place
+        factors.update(fit_latency(multi, cluster))
+        for key, value in factors.items():
+            setattr(cluster.cluster, key, value)
     return factors
 
 

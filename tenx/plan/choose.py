@@ -86,16 +86,13 @@ def choose(
         raise ConfigError(f"--days must be positive, got {days}")
     optimal = compute_optimal(fit, budget)
     n_star = optimal["N"]
-    sizes = {
-        depth: count_params(shape_for_depth(run.model, depth, vocab)).total
-        for depth in range(1, max_depth + 1)
-    }
+    models = {depth: shape_for_depth(run.model, depth, vocab) for depth in range(1, max_depth + 1)}
+    sizes = {depth: count_params(model).total for depth, model in models.items()}
     grid = [n_star * 2 ** (k / 2) for k in range(-6, 7)]  # N*/8 .. 8 N* in steps of sqrt(2)
     depths = sorted({min(sizes, key=lambda d: abs(math.log(sizes[d] / n))) for n in grid})
     rows: list[dict[str, Any]] = []
     for depth in depths:
-        model = shape_for_depth(run.model, depth, vocab)
-        n = sizes[depth]
+        model, n = models[depth], sizes[depth]
         if not n_star / SPAN / 1.5 <= n <= SPAN * n_star * 1.5:
             continue
         per_token = flops_per_token(model)
