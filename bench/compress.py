@@ -1,7 +1,7 @@
 """The model as a file compressor: `tenx compress` against xz, zstd and brotli on a run's held-out documents.
 
 Each held-out document is compressed on its own, file by file, by each compressor: tenx (range coding with
-the run's model, tenx/eval/codec.py), xz -9e (liblzma preset 9 | EXTREME, .xz container), zstd -19 and
+the run's model, tenx/compress/codec.py), xz -9e (liblzma preset 9 | EXTREME, .xz container), zstd -19 and
 brotli quality 11. A document's bytes are rebuilt from the prepared held-out split: its tokens up to the
 end-of-document token, decoded by the run's tokenizer and encoded as UTF-8 (the cleaned text the model was
 evaluated on; their total is checked against the split's byte count). Bits per byte is 8 x the compressed
@@ -28,9 +28,9 @@ import numpy as np
 import zstandard
 
 from tenx import rundir
+from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
 from tenx.data.loader import TokenStream
 from tenx.data.manifest import read_manifest
-from tenx.eval.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
 
 BASELINES = {
     "xz": (

@@ -1,6 +1,6 @@
 """Engines for `tenx data prepare`'s per-document step: multiprocessing vs datatrove vs Ray Data, measured.
 
-The step is the one `tenx data prepare` runs on every document: clean (UTF-8 decode, tenx/data/clean.py),
+The step is the one `tenx data prepare` runs on every document: clean (UTF-8 decode, tenx/data/prepare/clean.py),
 tokenize with a tenx BPE (vocab 8192, trained here on a ~5 MB sample), and append the tokens plus the
 end-of-document id to spill files, each written with an index of (document, offset, length). Engines:
 
@@ -113,7 +113,7 @@ def doc_index(path: str) -> int:
 
 def clean(raw: bytes) -> str | None:
     """tenx's cleaning of one raw document (None: skipped)."""
-    from tenx.data.clean import CleaningStats, clean_text
+    from tenx.data.prepare.clean import CleaningStats, clean_text
 
     cleaned = clean_text(raw, CleaningStats())
     return None if cleaned is None else cleaned[0]

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 
 
 def run(label: str, launcher: list[str], args: list[str], run_dir: Path, threads: int | None) -> dict:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.parallel.lighthouse import start_lighthouse
 
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
+from tenx.hardware import cpu_name
 from tenx.monitor.config import MonitorConfig
-from tenx.plan.hardware import cpu_name
 from tenx.train.config import CONFIG_DIR, load_run_config
 from tenx.train.hooks import Callback
 from tenx.train.run import train

@@ -22,9 +22,9 @@ import json
 import time
 from pathlib import Path
 
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
-from tenx.data.sources import copy_stdlib_packages
-from tenx.plan.calibrate import compare, fit_all, measure, save_calibration
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.sources import copy_stdlib_packages
+from tenx.plan.calibrate import fit_all, measure, predicted_over_measured, save_calibration
 from tenx.plan.estimate import load_cluster
 from tenx.train.config import load_run_config, resolve_config_path
 
@@ -70,13 +70,13 @@ def main() -> None:
         print(f"measured {name}: {m['step_s']:.4f} s/step, {m['memory'] / 1e9:.3f} GB", flush=True)
 
     cluster = load_cluster("cpu")
-    before = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
+    before = {name: predicted_over_measured(run, cluster, vocab, m) for name, run, m, _ in measured}
     factors = fit_all(
         [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] == 1],
         [(run, vocab, m) for _, run, m, fitted in measured if fitted and m["ranks"] > 1],
         cluster,
     )
-    after = {name: compare(run, cluster, vocab, m) for name, run, m, _ in measured}
+    after = {name: predicted_over_measured(run, cluster, vocab, m) for name, run, m, _ in measured}
     print(f"\nfitted on {', '.join(n for n, *_, f in measured if f)}: {factors}")
     print(
         f"{'case':<20}{'step pred':>11}{'measured':>11}{'ratio':>8}{'mem pred GB':>13}{'measured':>10}{'ratio':>8}"

@@ -36,7 +36,7 @@ import numpy as np
 
 from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, Curve, curve_from_run, fit_curves, read_curves
 from tenx.scaling.curve.evaluate import WINDOW, protocol, self_extrapolation_error, split_error
-from tenx.scaling.curve.predict import prior_from
+from tenx.scaling.curve.extrapolate import prior_from
 from tenx.scaling.fit.published import DEFAULT_VARIANT, TOTAL, published_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def extra_runs(ladder_dir: Path, out: Path, train_missing: bool) -> list[Curve]:
 
     from tenx.model.flops import flops_per_token
     from tenx.scaling.ladder import read_results, run_one
-    from tenx.scaling.planner import LadderConfig, plan_ladder, shape_for_depth, vocab_size_of
+    from tenx.scaling.rungs import LadderConfig, plan_ladder, shape_for_depth, vocab_size_of
     from tenx.train.config import load_run_config
 
     if not train_missing:  # the runs as they are (e.g. tests/data/ladder-val-bench)

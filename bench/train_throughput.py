@@ -26,10 +26,10 @@ from torch import nn
 
 from tenx import config as cfglib
 from tenx.data.loader import TokenLoader, TokenStream
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
+from tenx.hardware import peak_flops
 from tenx.model.config import ModelConfig
 from tenx.model.flops import flops_per_token
-from tenx.plan.hardware import peak_flops
 from tenx.train.config import RunConfig
 from tenx.train.optim import OptimConfig, lr_at
 from tenx.train.trainer import Trainer, resolve_precision, seed_everything

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from tenx.data.manifest import MANIFEST_NAME
-from tenx.data.prepare import PrepareConfig, prepare
-from tenx.data.sources import copy_stdlib_packages
+from tenx.data.prepare.pipeline import PrepareConfig, prepare
+from tenx.data.prepare.sources import copy_stdlib_packages
 from tenx.rundir import RunDir
 from tenx.triage.classify import format_causes, triage
 from tenx.triage.store import format_incidents

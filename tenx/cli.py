@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from tenx.cli_parsing import Parser, add_set, command
+from tenx.compress.cli import add_compress_parsers
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
 from tenx.eval.cli import add_eval_parser
-from tenx.eval.codec_cli import add_compress_parsers
 from tenx.monitor.dashboard.cli import add_dashboard_parser, add_report_parser
 from tenx.plan.cli import add_plan_parser
 from tenx.rundir import RunDir
@@ -27,21 +27,21 @@ from tenx.utils.io import STORAGE_ERRNOS, storage_error
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
-    from tenx.data.prepare import PrepareConfig, format_summary, prepare
+    from tenx.data.prepare.pipeline import PrepareConfig, format_prepare_summary, prepare
 
     cfg = config_from_args(PrepareConfig, args, PREPARE_FLAGS)
     if args.emit:
-        from tenx.data.engine import emit_slurm
+        from tenx.data.prepare.engine import emit_slurm
 
         print(f"wrote {emit_slurm(cfg, _prepare_argv(cfg))}: sbatch it")
         return
     manifest = prepare(cfg, progress=not args.quiet)
-    print(format_summary(manifest, args.out))
+    print(format_prepare_summary(manifest, args.out))
 
 
 def _prepare_argv(cfg: Any) -> list[str]:
     """The `tenx data prepare` flags that give `cfg` (its source and out, and what differs from defaults)."""
-    from tenx.data.prepare import PrepareConfig
+    from tenx.data.prepare.pipeline import PrepareConfig
 
     defaults, argv = PrepareConfig(source=cfg.source, out=cfg.out), []
     for name in PREPARE_FLAGS:
@@ -74,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
     if args.supervise:
-        from tenx.launch.supervise import child_environment, format_report, supervise
+        from tenx.launch.supervise import child_environment, format_supervision, supervise
 
         child_args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)]
         for item in overrides:
@@ -90,12 +90,12 @@ def cmd_train(args: argparse.Namespace) -> None:
             launcher=shlex.split(args.launcher) if args.launcher else None,
             env=child_environment(),
         )
-        print(format_report(report))
+        print(format_supervision(report))
         print(format_goodput(compute_goodput(run_dir)))
         if not report.finished:
             raise TenxError(f"supervised run in {run_dir} did not finish: {report.gave_up}")
         return
-    from tenx.scaling.watch import summary_fields, watch_callbacks
+    from tenx.scaling.self_extrapolation import summary_fields, watch_callbacks
     from tenx.train.run import train
 
     trainer, metrics = train(cfg, run_dir, resume=args.resume, extra_callbacks=watch_callbacks(cfg))
@@ -143,10 +143,10 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from tenx.eval.export import export_hf, format_summary
+    from tenx.export.hf import export_hf, format_export_summary
 
     summary = export_hf(args.target, args.out, checkpoint=args.checkpoint)
-    print(format_summary(summary))
+    print(format_export_summary(summary))
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -196,7 +196,7 @@ def cmd_derisk(args: argparse.Namespace) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> None:
     """`tenx fit`: fit, print the summary, write the JSON and PNG."""
-    from tenx.scaling.fit import format_report, run_fit
+    from tenx.scaling.fit import format_fit, run_fit
 
     report = run_fit(
         args.input,
@@ -216,7 +216,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
         filters=args.filter,
         holdout=args.holdout,
     )
-    print(format_report(report))
+    print(format_fit(report))
 
 
 def cmd_lighthouse(args: argparse.Namespace) -> None:
@@ -272,7 +272,7 @@ LIGHTHOUSE_FLAGS = ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbea
 
 
 def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
-    from tenx.data.prepare import PrepareConfig
+    from tenx.data.prepare.pipeline import PrepareConfig
 
     add_config_arguments(dp, PrepareConfig, PREPARE_FLAGS, flags=PREPARE_FLAG_NAMES)
     dp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -282,7 +282,7 @@ def _prepare_arguments(dp: argparse.ArgumentParser) -> None:
 
 
 def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
-    from tenx.scaling.planner import LadderConfig
+    from tenx.scaling.rungs import LadderConfig
 
     lp.add_argument("--config", default="ladder", help="base config (.toml path or shipped name)")
     add_set(lp, "override the base config")
@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     add_plan_parser(sub)  # `tenx plan --config CFG --cluster C`, `tenx plan shapes`, `tenx plan failures`
     add_triage_parser(sub)
-    add_compress_parsers(sub)  # `tenx compress` / `tenx decompress` (tenx/eval/codec.py)
+    add_compress_parsers(sub)  # `tenx compress` / `tenx decompress` (tenx/compress/codec.py)
 
     add_eval_parser(sub)  # `tenx eval RUN... [--split X] [--decontaminate] [--breakdown]` (tenx/eval/cli.py)
 

@@ -24,17 +24,17 @@ import torch
 from tenx import checkpoint as ckpt
 from tenx import rundir
 from tenx.data.manifest import read_manifest, split_documents_text
-from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, format_prepare_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import ConfigError
-from tenx.eval.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.eval.run import evaluate
+from tenx.hardware import cpu_name, pick_device, resolve_precision
 from tenx.monitor.plots import plot_loss_curve
-from tenx.plan.hardware import cpu_name, pick_device, resolve_precision
 from tenx.scaling.ladder import measure_tokens_per_s
 from tenx.train.config import load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.run import train
+from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.utils.io import atomic_write_json
 
 _RESERVE_S = 20.0  # xz -9e on the held-out bytes, the loss plot, the trainer's start-up (measured: 15 s)
@@ -72,7 +72,7 @@ def quickstart(
         print(f"[1/4] reusing prepared data in {data_dir}")
     else:
         print(f"[1/4] preparing the corpus '{source}' (tokenizer, shards, manifest)")
-        print(format_summary(prepare(prep), data_dir))
+        print(format_prepare_summary(prepare(prep), data_dir))
 
     settings = [f'data.dir="{data_dir}"', *(overrides or [])]
     existing = ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS)

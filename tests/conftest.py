@@ -9,8 +9,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tenx.data.prepare import PrepareConfig, prepare  # noqa: E402
-from tenx.data.sources import stdlib_dir  # noqa: E402
+from tenx.data.prepare.pipeline import PrepareConfig, prepare  # noqa: E402
+from tenx.data.prepare.sources import stdlib_dir  # noqa: E402
 from tenx.train.config import CONFIG_DIR, load_run_config  # noqa: E402
 
 TINY_PACKAGES = ("json", "email")

@@ -48,7 +48,7 @@ def _corpus(root: Path) -> None:
 
 def tiny_losses(tmp: Path) -> list[float]:
     """Train the tiny config for STEPS steps on the generated corpus; the per-step losses."""
-    from tenx.data.prepare import PrepareConfig, prepare
+    from tenx.data.prepare.pipeline import PrepareConfig, prepare
     from tenx.train.config import CONFIG_DIR, load_run_config
     from tenx.train.run import train
 

@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from tenx.cli import main
-from tenx.data.loader import TokenStream
-from tenx.data.prepare import PrepareConfig, prepare
-from tenx.errors import TenxError
-from tenx.eval import codec as codec_mod
-from tenx.eval.codec import (
+from tenx.compress import codec as codec_mod
+from tenx.compress.codec import (
     HEADER_BYTES,
     _Stepper,
     _to_ids,
@@ -23,6 +20,9 @@ from tenx.eval.codec import (
     load_codec,
     read_header,
 )
+from tenx.data.loader import TokenStream
+from tenx.data.prepare.pipeline import PrepareConfig, prepare
+from tenx.errors import TenxError
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer
 from tenx.train.run import train

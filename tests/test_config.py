@@ -126,7 +126,7 @@ def test_bounds_checked_on_trees_built_in_python():
 def test_config_flags_round_trip():
     import argparse
 
-    from tenx.scaling.planner import LadderConfig
+    from tenx.scaling.rungs import LadderConfig
 
     parser = argparse.ArgumentParser()
     fields = ("grid", "tokens_per_param", "unique_tokens", "seeds")

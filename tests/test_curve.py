@@ -15,10 +15,10 @@ from tenx.scaling.curve import (
     DEFAULT_LAW,
     PROGRESS_UNIT,
     Curve,
-    budget_groups,
     curve_error,
     curve_from_records,
     curve_from_run,
+    curves_by_budget,
     extrapolate_run,
     fit_curves,
     fit_from_params,
@@ -185,7 +185,7 @@ def test_runs_with_flops_group_into_budgets_and_the_top_budget_is_held_out():
         curve("C3-d3", 1.5e6, 2.6e12),
         curve("stored", 1e5, None),  # no run.json: no budget
     ]
-    assert budget_groups(curves) == [["C1-d1", "C1-d2"], ["C2-d1"], ["C3-d2", "C3-d3"]]
+    assert curves_by_budget(curves) == [["C1-d1", "C1-d2"], ["C2-d1"], ["C3-d2", "C3-d3"]]
     split = protocol(curves)["leave_largest_budget_out"]
     assert split == {"train": ["C1-d1", "C1-d2", "C2-d1"], "test": ["C3-d2", "C3-d3"]}
     assert "leave_largest_budget_out" not in protocol(curves[:2])

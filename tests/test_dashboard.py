@@ -29,13 +29,14 @@ from tenx.cli import main
 from tenx.errors import TenxError
 from tenx.monitor.dashboard.data import RunView, unique_names
 from tenx.monitor.dashboard.page import is_report
-from tenx.monitor.dashboard.server import DashboardServer, parse_bind, unsafe_path
+from tenx.monitor.dashboard.server import DashboardServer, unsafe_path
 from tenx.monitor.goodput import Ledger
-from tenx.monitor.metrics import read_metrics
-from tenx.monitor.prediction import Prediction, write_prediction
+from tenx.monitor.metrics_file import read_metrics
+from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.rundir import RunDir
 from tenx.train.run import train
 from tenx.utils.io import atomic_write_text
+from tenx.utils.net import parse_bind
 
 STEPS = 30
 FAULTS = ["spike@step=8", "nan@step=12", "slow@step=16,seconds=0.05", "bitflip@step=20"]
@@ -44,7 +45,7 @@ LAYERS = ["embed", "0", "1", "head"]
 
 
 def _stats_keys(step: int) -> dict[str, float]:
-    """Per-layer statistics as tenx.monitor.stats names them, for runs trained without that callback."""
+    """Per-layer statistics as tenx.monitor.internals names them, for runs trained without that callback."""
     keys = {}
     for i, layer in enumerate(LAYERS):
         keys[f"stats/grad_norm/{layer}"] = 0.5 * (i + 1) / math.sqrt(step)

@@ -24,8 +24,14 @@ from tenx.data.manifest import (
     split_documents_text,
     verify_split,
 )
-from tenx.data.prepare import PrepareConfig, assign_split, format_summary, is_prepared, prepare
-from tenx.data.sources import iter_documents, stdlib_dir
+from tenx.data.prepare.pipeline import (
+    PrepareConfig,
+    assign_split,
+    format_prepare_summary,
+    is_prepared,
+    prepare,
+)
+from tenx.data.prepare.sources import iter_documents, stdlib_dir
 from tenx.data.tokenizer import EOT_TEXT, ByteTokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
 
@@ -444,7 +450,7 @@ def test_is_prepared(tmp_path: Path, bpe_prepared: tuple[PrepareConfig, dict[str
 
 def test_format_summary(bpe_prepared: tuple[PrepareConfig, dict[str, Any]]) -> None:
     cfg, manifest = bpe_prepared
-    summary = format_summary(manifest, cfg.out)
+    summary = format_prepare_summary(manifest, cfg.out)
     train = manifest["splits"]["train"]
     row = next(line for line in summary.splitlines() if line.startswith("train"))
     assert row.split() == [

@@ -557,7 +557,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def set_up_fixtures(work: Path, home: Path) -> None:
-    from tenx.data.sources import stdlib_dir
+    from tenx.data.prepare.sources import stdlib_dir
 
     for name, source in FIXTURES.items():
         dst = home / name[2:] if name.startswith("~/") else work / name

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tenx.eval.bpb import stream_nll, summarize, window_plan
-from tenx.eval.compression import xz_bits_per_byte
 from tenx.model import ModelConfig, Transformer
+from tenx.utils.compression import xz_bits_per_byte
 
 
 @pytest.mark.parametrize(

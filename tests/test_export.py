@@ -12,12 +12,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tenx.data.prepare import PrepareConfig, prepare  # noqa: E402
+from tenx.data.prepare.pipeline import PrepareConfig, prepare  # noqa: E402
 from tenx.data.tokenizer import EOT_TEXT, load_tokenizer  # noqa: E402
 from tenx.errors import TenxError  # noqa: E402
-from tenx.eval.export import MARKER, export_hf, format_summary, hf_architecture  # noqa: E402
 from tenx.eval.load import load_model  # noqa: E402
 from tenx.eval.sample import generate  # noqa: E402
+from tenx.export.hf import MARKER, export_hf, format_export_summary, hf_architecture  # noqa: E402
 from tenx.model import ModelConfig  # noqa: E402
 from tenx.train.run import train  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_export_matches_tenx_logits_and_ids(family, overrides, arch, make_run, t
     out = tmp_path / "hf"
     summary = export_hf(run, out)
     assert summary["architecture"] == arch, summary
-    assert (out / "model.safetensors").is_file() and "(step 2)" in format_summary(summary)
+    assert (out / "model.safetensors").is_file() and "(step 2)" in format_export_summary(summary)
 
     diff = _max_logit_diff(run, out)
     print(f"{arch} {overrides}: max |logits_hf - logits_tenx| = {diff:.3g}")
@@ -200,7 +200,7 @@ def test_missing_data_dir_exports_model_without_tokenizer(tiny_config, tiny_data
     shutil.rmtree(data)
     summary = export_hf(tmp_path / "run", tmp_path / "hf")
     assert summary["tokenizer"] is None and str(data) in summary["tokenizer_note"]
-    assert "tokenizer: not written" in format_summary(summary)
+    assert "tokenizer: not written" in format_export_summary(summary)
     assert not (tmp_path / "hf" / "tokenizer.json").exists()
     assert _max_logit_diff(tmp_path / "run", tmp_path / "hf") <= 1e-5
 

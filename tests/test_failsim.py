@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
 from tenx.monitor.goodput import Ledger, compute_goodput
 from tenx.plan import failsim
-from tenx.plan.failures import expected_goodput, young_daly_interval_s
 
 DRILL = Path(__file__).resolve().parents[1] / "runs" / "chaos_drill" / "drill.json"
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from tenx import checkpoint as ckpt
+from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.cli import main
 from tenx.errors import ConfigError, DataError
 from tenx.eval.load import load_model
 from tenx.launch.supervise import supervise
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput
-from tenx.monitor.metrics import read_metrics
-from tenx.plan.failures import expected_goodput, young_daly_interval_s
+from tenx.monitor.metrics_file import read_metrics
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.run import train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tenx.cli import build_parser, main
-from tenx.data.prepare import PrepareConfig, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, prepare
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -48,7 +48,7 @@ import xxhash
 import tenx.cli
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.data.manifest import SPLITS, read_manifest, split_documents_text, verify_split
-from tenx.data.prepare import PrepareConfig, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import TenxError
 from tenx.model.flops import count_params

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1] / "tenx"
 
 LAYERS: list[list[str]] = [
     ["tenx.errors", "tenx.config", "tenx.utils", "tenx.rundir", "tenx.__init__"],
-    ["tenx.data", "tenx.model", "tenx.plan.hardware", "tenx.plan.failures"],
+    ["tenx.data", "tenx.model", "tenx.hardware"],
     ["tenx.checkpoint", "tenx.parallel", "tenx.monitor"],
     ["tenx.train"],
-    ["tenx.launch", "tenx.eval", "tenx.triage"],
+    ["tenx.launch", "tenx.eval", "tenx.triage", "tenx.export", "tenx.compress"],
     ["tenx.scaling", "tenx.plan", "tenx.quickstart"],
     # The warm spare runs a `tenx` command line: it is an entry point, like __main__.
     ["tenx.cli", "tenx.cli_parsing", "tenx.__main__", "tenx.launch.worker"],

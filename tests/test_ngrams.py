@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from tenx.cli import main
-from tenx.data.dedup import find_near_duplicates
 from tenx.data.manifest import INDEX_DTYPE, SPLITS, np_dtype, read_manifest
 from tenx.data.ngrams import (
     DEFAULT_CONTAMINATION_THRESHOLD,
@@ -23,7 +22,14 @@ from tenx.data.ngrams import (
     load_index,
     ngram_hashes,
 )
-from tenx.data.prepare import PrepareConfig, assign_split, format_summary, is_prepared, prepare
+from tenx.data.prepare.dedup import find_near_duplicates
+from tenx.data.prepare.pipeline import (
+    PrepareConfig,
+    assign_split,
+    format_prepare_summary,
+    is_prepared,
+    prepare,
+)
 from tenx.errors import DataError
 from tenx.utils.io import file_xxhash
 
@@ -191,7 +197,9 @@ def test_near_duplicates_share_a_split(tmp_path: Path) -> None:
             "converged": True,
         },
     }
-    assert "1 exact duplicates removed; 2 near-duplicate groups (4 documents)" in format_summary(manifest)
+    assert "1 exact duplicates removed; 2 near-duplicate groups (4 documents)" in format_prepare_summary(
+        manifest
+    )
     fractions = _reference_fractions(Path(cfg.out))
     assert fractions and max(fractions.values()) <= DEFAULT_CONTAMINATION_THRESHOLD
     assert is_prepared(cfg)
@@ -327,7 +335,7 @@ def test_decontamination_moves_partial_copies_until_none_exceeds(tmp_path: Path)
     }
     assert manifest["splits"]["train"]["documents"] == sorted(manifest["splits"]["train"]["documents"])
     assert "decontamination: 2 moved into train (2 held-out, 0 val) for sharing > 0.5 of their 13-grams" in (
-        format_summary(manifest)
+        format_prepare_summary(manifest)
     )
     for split in ("heldout", "val"):
         fractions = _reference_fractions(Path(cfg.out), split)

@@ -1,4 +1,4 @@
-"""`tenx plan choose` (tenx/plan/choose.py), `tenx plan --measure` (tenx/plan/calibrate.py) and the step's
+"""`tenx plan choose` (tenx/plan/allocate.py), `tenx plan --measure` (tenx/plan/calibrate.py) and the step's
 peak memory against every tensor PyTorch allocates (tenx/plan/estimate.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from tenx.errors import ConfigError
 from tenx.model.transformer import Transformer, lm_loss
-from tenx.plan.choose import choose, load_fit
+from tenx.plan.allocate import choose, load_fit
 from tenx.plan.estimate import load_cluster, memory_per_rank
 from tenx.train.config import load_run_config, resolve_config_path
 

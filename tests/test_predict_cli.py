@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tenx.cli import main
-from tenx.monitor.prediction import read_prediction
+from tenx.monitor.prediction_file import read_prediction
 
 CURVES = Path(__file__).parent / "data" / "curves"
 

@@ -8,7 +8,7 @@ import pytest
 
 from tenx.errors import TenxError
 from tenx.monitor.plots import plot_prediction
-from tenx.monitor.prediction import FORMAT, VERSION, Prediction, read_prediction, write_prediction
+from tenx.monitor.prediction_file import FORMAT, VERSION, Prediction, read_prediction, write_prediction
 
 
 def _prediction() -> Prediction:

@@ -1,4 +1,4 @@
-"""Streaming prepare (tenx/data/stream.py, tenx/data/partitioned.py): the output does not depend on the number
+"""Streaming prepare (tenx/data/prepare/stream.py, tenx/data/prepare/partitioned.py): the output does not depend on the number
 of workers, on a sampled tokenizer's order or on partitioning; a prepare killed with SIGKILL resumes to the
 same bytes; nothing half-written is read."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tenx.data.partitioned as partitioned
-import tenx.data.stream as stream
+import tenx.data.prepare.partitioned as partitioned
+import tenx.data.prepare.stream as stream
 from tenx.data.ngrams import build_index
-from tenx.data.prepare import PrepareConfig, is_prepared, prepare
+from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.errors import ConfigError, DataError
 
 
@@ -171,7 +171,7 @@ def test_a_foreign_work_directory_or_sbatch_file_is_never_touched(corpus, tmp_pa
         prepare(config(corpus, out), progress=False)
     assert (out / stream.WORK_DIR / "mine.txt").read_text() == "user data"
     (tmp_path / "d.sbatch").write_text("#!/bin/bash\necho mine\n")
-    from tenx.data.engine import emit_slurm
+    from tenx.data.prepare.engine import emit_slurm
 
     with pytest.raises(ConfigError, match="tenx did not write it"):
         emit_slurm(config(corpus, tmp_path / "d", slurm_partition="cpu"), [])

@@ -27,8 +27,9 @@ from tenx.cli import add_lighthouse_parser
 from tenx.errors import TenxError
 from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
-from tenx.parallel.lighthouse import parse_bind, start_lighthouse
+from tenx.parallel.lighthouse import start_lighthouse
 from tenx.parallel.replicas import ReplicaConfig, Replicas, _fragments
+from tenx.utils.net import parse_bind
 
 # A slightly wider tiny model, so that a step (~20-40 ms on one thread) dwarfs the per-step overheads.
 MODEL = ["model.d_model=128", "train.micro_batch=16", "optim.warmup_steps=5", "log.tensorboard=false"]
@@ -249,7 +250,7 @@ def test_lighthouse_bind_errors_are_clear():
     for bad in ("nohost", "127.0.0.1:99999", ":80", "host:port", "[::1:80"):
         with pytest.raises(TenxError, match="--bind"):
             parse_bind(bad)
-    assert parse_bind("[::]:0") == ("[::]", 0)
+    assert parse_bind("[::]:0") == ("::", 0)  # the host as sockets take it, for every server
     with pytest.raises(TenxError, match="cannot listen"):
         start_lighthouse("256.1.1.1:0")
 

@@ -20,7 +20,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "old_main_checkpoint"
 
 
 def test_checkpoint_from_before_the_restructuring_resumes_to_the_same_losses(tmp_path):
-    from tenx.data.prepare import PrepareConfig, prepare
+    from tenx.data.prepare.pipeline import PrepareConfig, prepare
     from tenx.train.config import CONFIG_DIR, load_run_config
     from tenx.train.run import train
 

@@ -116,7 +116,7 @@ def test_benchmark_report_keys_and_consistency() -> None:
     assert touched["d_ff 256 -> 320"] == ["up_proj", "down_proj"]
     assert touched["head_dim 32 -> 64"] == ["attn_scores", "attn_values"]
     assert len(touched["d_model 64 -> 128"]) == 7
-    assert "No nearby shape" in shapes.format_report(result) or result["best"] in shapes.format_report(result)
+    assert "No nearby shape" in shapes.format_shapes(result) or result["best"] in shapes.format_shapes(result)
 
 
 def test_micro_batch_cap_scales_times() -> None:

@@ -1,4 +1,4 @@
-"""Statistics inside the model (tenx/monitor/stats.py, tenx/train/callbacks/stats.py): every documented key
+"""Statistics inside the model (tenx/monitor/internals.py, tenx/train/callbacks/stats.py): every documented key
 is logged at the stats steps only, and each figure equals the same quantity computed another way."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Attention, apply_rope, max_attention_logit, rope_tables
-from tenx.monitor.metrics import read_metrics
-from tenx.monitor.stats import activation_moments, layer_index, layer_of, logit_stats, rms_and_max
+from tenx.monitor.internals import activation_moments, layer_index, layer_of, logit_stats, rms_and_max
+from tenx.monitor.metrics_file import read_metrics
 from tenx.train.callbacks.stats import ModelStats
 from tenx.train.config import CONFIG_DIR
 from tenx.train.hooks import Callback

@@ -16,7 +16,7 @@ import pytest
 from tenx import checkpoint as ckpt
 from tenx.cli import main
 from tenx.errors import CheckpointError, DataError, TenxError
-from tenx.monitor.metrics import read_metrics
+from tenx.monitor.metrics_file import read_metrics
 from tenx.train.run import train
 from tenx.train.trainer import Callback
 

@@ -1,6 +1,6 @@
 """Watching a run: the comparison with prediction.json, off-prediction events, the trend detectors, and the
-self-extrapolated final loss (tenx.monitor.watch, tenx.monitor.trends, tenx.train.callbacks.watch,
-tenx.scaling.watch)."""
+self-extrapolated final loss (tenx.monitor.deviation, tenx.monitor.trends, tenx.train.callbacks.watch,
+tenx.scaling.self_extrapolation)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from tenx.errors import ConfigError
+from tenx.monitor.deviation import PredictionWatch, check_target, deviation
 from tenx.monitor.events import read_events
-from tenx.monitor.metrics import read_metrics
-from tenx.monitor.prediction import Prediction, read_prediction, write_prediction
+from tenx.monitor.metrics_file import read_metrics
+from tenx.monitor.prediction_file import Prediction, read_prediction, write_prediction
 from tenx.monitor.trends import TrendConfig, TrendDetectors
-from tenx.monitor.watch import PredictionWatch, check_target, deviation
 from tenx.rundir import RunDir
 
 
@@ -165,7 +165,7 @@ def test_drift_from_the_prediction_is_an_event():
 def test_a_run_watched_against_a_prediction_logs_it_and_reports_leaving_its_band(
     tiny_config, tiny_data, tmp_path
 ):
-    from tenx.scaling.watch import SelfExtrapolation, summary_fields
+    from tenx.scaling.self_extrapolation import SelfExtrapolation, summary_fields
     from tenx.train.run import train
 
     steps = 120

@@ -1,1 +1,1 @@
-"""Judging a model: held-out bits per byte, compression baselines, sampling."""
+"""Judging a model: held-out bits per byte (whole splits and document by document), sampling."""

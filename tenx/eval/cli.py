@@ -18,7 +18,7 @@ def _line(name: str, r: dict[str, Any]) -> str:
     )
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_eval(report: dict[str, Any]) -> str:
     """One run's figures: each dataset, its contamination and clean part, its breakdowns."""
     lines = []
     for name, r in report["datasets"].items():
@@ -101,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         )
         if len(args.targets) > 1:
             print(f"{target}:")
-        print(format_report(report))
+        print(format_eval(report))
         if report.get("write_error"):
             raise TenxError(
                 f"{report['write_error']}; the results above were computed but not saved (use --out)"

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tenx.data.clean import CleaningStats, clean_text
 from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
-from tenx.data.sources import iter_documents
+from tenx.data.prepare.clean import CleaningStats, clean_text
+from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import Tokenizer
 from tenx.errors import DataError
 from tenx.eval.bpb import summarize, token_nll

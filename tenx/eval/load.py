@@ -14,10 +14,10 @@ from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import CheckpointError, ConfigError
+from tenx.hardware import pick_device, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params
 from tenx.model.transformer import Transformer
-from tenx.plan.hardware import pick_device, tune_cpu_allocator
 
 
 @dataclass

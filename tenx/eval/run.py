@@ -7,13 +7,13 @@ from typing import Any
 
 from tenx import rundir
 from tenx.data.manifest import read_manifest
-from tenx.data.prepare import CleaningStats, clean_text
-from tenx.data.sources import iter_documents
+from tenx.data.prepare.pipeline import CleaningStats, clean_text
+from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
-from tenx.plan.hardware import resolve_precision
+from tenx.hardware import resolve_precision
 from tenx.utils.io import atomic_write_json
 
 PREPARED_SPLITS = ("train", "val", "heldout")

@@ -326,7 +326,7 @@ def _wait(
             return EXIT_HANG
 
 
-def format_report(report: SupervisorReport) -> str:
+def format_supervision(report: SupervisorReport) -> str:
     """One line per attempt, then the outcome."""
     lines = ["tenx supervise:"]
     for a in report.attempts:

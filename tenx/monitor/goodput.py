@@ -473,7 +473,7 @@ def format_status(run_dir: str | Path) -> str:
     report = compute_goodput(run_dir)
     metrics: list[dict[str, Any]] = []
     if (run_dir / rundir.METRICS).is_file():
-        from tenx.monitor.metrics import read_metrics
+        from tenx.monitor.metrics_file import read_metrics
 
         metrics = read_metrics(run_dir / rundir.METRICS)
     total = None

@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from tenx.monitor.metrics import read_metrics
+from tenx.monitor.metrics_file import read_metrics
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
@@ -28,7 +28,7 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = 
 def plot_prediction(
     prediction: Any, out_png: str | Path, metrics_path: str | Path | None = None, title: str = ""
 ) -> Path:
-    """A predicted loss curve (tenx.monitor.prediction.Prediction) with its band, and, if a run's
+    """A predicted loss curve (tenx.monitor.prediction_file.Prediction) with its band, and, if a run's
     metrics.jsonl is given, its actual loss: the training loss smoothed over the prediction's window, or
     the validation losses as points."""
     import matplotlib

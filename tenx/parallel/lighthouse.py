@@ -16,19 +16,7 @@ from typing import Any
 
 from tenx.config import check_bounds, field
 from tenx.errors import TenxError
-
-
-def parse_bind(bind: str) -> tuple[str, int]:
-    """`HOST:PORT` (or `[V6ADDR]:PORT`) -> (host, port); a clear error otherwise."""
-    host, sep, port_text = bind.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise TenxError(
-            f"lighthouse --bind {bind!r}: expected ADDR:PORT with a port in [0, 65536), "
-            "e.g. 127.0.0.1:29510 (this host only) or 10.0.0.5:29510 (one interface of this host)"
-        )
-    if host.startswith("[") != host.endswith("]"):
-        raise TenxError(f"lighthouse --bind {bind!r}: an IPv6 address goes in brackets, e.g. [::1]:29510")
-    return host, int(port_text)
+from tenx.utils.net import WILDCARD_HOSTS, parse_bind, url_host
 
 
 @dataclass
@@ -58,7 +46,7 @@ def start_lighthouse(bind: str, **options: int) -> tuple[Any, str]:
     quiet_torchft()
     from torchft._torchft import LighthouseServer
 
-    host, _ = parse_bind(bind)
+    host, _ = parse_bind(bind, "lighthouse --bind", "127.0.0.1:29510")
     cfg = LighthouseConfig(**options)
     check_bounds(cfg, "lighthouse")
     try:
@@ -73,7 +61,7 @@ def start_lighthouse(bind: str, **options: int) -> tuple[Any, str]:
         raise TenxError(f"lighthouse --bind {bind!r}: cannot listen there: {e}") from e
     port = server.address().rpartition(":")[2]
     # A wildcard bind is reachable under the machine's name (torchft's own address); a specific one as is.
-    advertised = server.address() if host in ("0.0.0.0", "[::]") else f"http://{host}:{port}"
+    advertised = server.address() if host in WILDCARD_HOSTS else f"http://{url_host(host)}:{port}"
     return server, advertised
 
 
@@ -86,7 +74,7 @@ def run_lighthouse(bind: str, **options: int) -> None:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"tenx lighthouse: serving on {bind}; groups connect with", flush=True)
-        if parse_bind(bind)[0] in ("0.0.0.0", "[::]"):
+        if parse_bind(bind, "lighthouse --bind")[0] in WILDCARD_HOSTS:
             print(
                 "tenx lighthouse: warning: listening on every interface, without authentication; anyone "
                 "who reaches this port can join or disturb quorums: bind one address on a network you "

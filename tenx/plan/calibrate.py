@@ -110,7 +110,9 @@ def measure(
     }
 
 
-def compare(run: Any, cluster: Cluster, vocab: int, measured: dict[str, Any]) -> dict[str, float]:
+def predicted_over_measured(
+    run: Any, cluster: Cluster, vocab: int, measured: dict[str, Any]
+) -> dict[str, float]:
     """Predicted over measured step time and memory for one measured case."""
     plan = estimate(
         run, cluster, vocab=vocab, strategy=measured["strategy"], ranks=measured["ranks"], dtype="fp32"
@@ -268,11 +270,11 @@ def calibrate(
             f"{measured['memory'] / GB:.3f} GB"
         )
         cases.append((f"micro-batch {mb} x{n}", run, measured))
-    before = {name: compare(run, cluster, vocab, m) for name, run, m in cases}
+    before = {name: predicted_over_measured(run, cluster, vocab, m) for name, run, m in cases}
     factors = fit_all(
         [(run, vocab, m) for _, run, m in cases if m["ranks"] == 1],
         [(run, vocab, m) for _, run, m in cases if m["ranks"] > 1],
         cluster,
     )
-    after = {name: compare(run, cluster, vocab, m) for name, run, m in cases}
+    after = {name: predicted_over_measured(run, cluster, vocab, m) for name, run, m in cases}
     return {"cases": [name for name, *_ in cases], "before": before, "after": after, "factors": factors}

@@ -12,7 +12,7 @@ from typing import Any
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `tenx plan` and its subcommands on the CLI's subparsers."""
-    from tenx.plan import choose, failsim, shapes
+    from tenx.plan import allocate, failsim, shapes
 
     parser = subparsers.add_parser(
         "plan", help="co-design a run: memory, time, communication, GEMM shapes, failures at scale"
@@ -55,7 +55,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="plan_command")
     shapes.add_parser(sub)
     failsim.add_parser(sub)
-    choose.add_parser(sub)
+    allocate.add_parser(sub)
     parser.set_defaults(func=cmd_plan)
     return parser
 
@@ -64,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     """`tenx plan --config CFG --cluster CLUSTER`: the estimate, printed (and written as JSON with --json)."""
     from tenx.errors import TenxError
     from tenx.plan.calibrate import apply_calibration, calibration_path
-    from tenx.plan.estimate import estimate, format_plan, load_cluster, vocab_of
+    from tenx.plan.estimate import estimate, format_estimate, load_cluster, vocab_of
     from tenx.train.config import load_run_config, resolve_config_path
     from tenx.utils.io import atomic_write_json
 
@@ -93,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         replica_groups=args.replica_groups,
         diloco_every=args.diloco_every,
     )
-    print(format_plan(plan, cluster))
+    print(format_estimate(plan, cluster))
     if args.json:
         record = {"cluster": cluster.name, "vocab": vocab, **plan.to_dict()}
         atomic_write_json(Path(args.json), {**record, "calibration": calibration} if calibration else record)

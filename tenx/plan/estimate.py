@@ -344,7 +344,7 @@ def estimate(
     )
 
 
-def format_plan(plan: Plan, cluster: Cluster) -> str:
+def format_estimate(plan: Plan, cluster: Cluster) -> str:
     """The plan as a short report."""
     m = plan.memory_per_rank
     lines = [

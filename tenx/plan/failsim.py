@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import brentq
 
+from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
-from tenx.plan.failures import expected_goodput, young_daly_interval_s
 
 LLAMA3_GPUS = 16_384
 LLAMA3_DAYS = 54.0

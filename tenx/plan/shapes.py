@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from tenx.errors import ConfigError, TenxError
+from tenx.hardware import pick_device, resolve_precision
 from tenx.model.config import ModelConfig, round_up
-from tenx.model.transformer import Transformer
-from tenx.plan.hardware import pick_device, resolve_precision
+from tenx.model.flops import count_params
 
 DEFAULT_VOCAB = 50257
 """GPT-2's vocabulary: used when neither the data nor the config names one."""
@@ -80,13 +80,6 @@ def gemm_shapes(cfg: ModelConfig, micro_batch: int) -> list[Gemm]:
         Gemm("down_proj", 1, rows, cfg.d_ff, d, layers, (d, cfg.d_ff)),
         Gemm("lm_head", 1, rows, d, cfg.vocab_size, 1, (cfg.vocab_size, d)),
     ]
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Parameters of the resolved model, counted on the meta device (nothing is allocated)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return sum(p.numel() for p in model.parameters())
 
 
 def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig | None:
@@ -235,7 +228,7 @@ def benchmark_shapes(
             }
         )
     base_flops = sum(g.count * g.flops for g in full.values())
-    base_params = count_params(base)
+    base_params = count_params(base).total
     result: dict[str, Any] = {
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -256,7 +249,7 @@ def benchmark_shapes(
         rounds = [_step_times(gemms, times, r) for r in range(repeat)]
         full_cand = gemm_shapes(cfg, micro_batch)
         flops = sum(g.count * g.flops for g in full_cand)
-        params = count_params(cfg)
+        params = count_params(cfg).total
         # judged on the GEMMs the change touches, so the rest of the step does not dilute it
         changed = [g.name for g in gemms if base_keys[g.name] != g.key]
         local_c = [_step_times([g for g in gemms if g.name in changed], times, r) for r in range(repeat)]
@@ -294,7 +287,7 @@ def benchmark_shapes(
     return result
 
 
-def format_report(result: dict[str, Any]) -> str:
+def format_shapes(result: dict[str, Any]) -> str:
     """The report as text: one line per GEMM, then one per candidate with its verdict."""
     lines = [
         f"GEMMs of one forward micro-batch ({result['micro_batch']} x {result['model']['seq_len']} tokens; "
@@ -352,7 +345,7 @@ def cmd_shapes(args: argparse.Namespace) -> int:
     device = pick_device(args.device, "--device")
     dtype = resolve_precision(args.dtype or run.train.precision, device)
     if dtype == torch.bfloat16 and device.type == "cpu":
-        from tenx.plan.hardware import cpu_has_fast_bf16
+        from tenx.hardware import cpu_has_fast_bf16
 
         if not cpu_has_fast_bf16():
             print("note: this CPU has no native bf16 matmuls; bf16 times are ~100x fp32's (use --dtype fp32)")
@@ -369,7 +362,7 @@ def cmd_shapes(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     result["config"] = args.config
-    print(format_report(result))
+    print(format_shapes(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

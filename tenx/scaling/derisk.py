@@ -43,7 +43,7 @@ from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.scaling.ladder import config_key, ensure_data, load_base, run_one
-from tenx.scaling.planner import LadderConfig, PlannedRun, format_plan, plan_ladder
+from tenx.scaling.rungs import LadderConfig, PlannedRun, format_ladder_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
 Z95 = 1.959963984540054
@@ -328,7 +328,7 @@ def _fmt_m(m: float, lo: float, hi: float) -> str:
     return f"{f(m)} [{f(lo)}, {f(hi)}]"
 
 
-def format_report(result: dict[str, Any]) -> str:
+def format_derisk(result: dict[str, Any]) -> str:
     """The Markdown report: losses by budget, multipliers with intervals, trends and verdicts."""
     budgets = result["budgets"]
     head = " | ".join(f"C = {b:.2g}" for b in budgets)
@@ -432,7 +432,7 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     if dry_run:
         for st in stages:
             print(f"{st.name}: {' '.join(st.overrides) or '(base config)'}")
-        print(format_plan([r for st in stages for r in st.runs]))
+        print(format_ladder_plan([r for st in stages for r in st.runs]))
         return {}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
@@ -450,7 +450,7 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     result = analyse(stages, rows, dc)
     result["wall_s"] = time.perf_counter() - t0
     atomic_write_json(out / "derisk.json", result)
-    report = format_report(result)
+    report = format_derisk(result)
     png = plot_report(result, out / "report.png")
     atomic_write_text(out / "report.md", report + f"\n![multipliers]({png.name})\n")
     print(report)

@@ -1,7 +1,7 @@
 """Scaling ladders: plan runs from FLOP budgets, train them idempotently, record one results table.
 
 A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs: the planning rules
-(grids, shapes, hyperparameters by size) are tenx/scaling/planner.py's, the cluster launch scripts
+(grids, shapes, hyperparameters by size) are tenx/scaling/rungs.py's, the cluster launch scripts
 tenx/scaling/launch.py's. Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is
 in results.jsonl is skipped; a run with checkpoints resumes from the newest verified one; a finished run is
 only evaluated.
@@ -22,13 +22,13 @@ from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
 from tenx.scaling.launch import emit_launch
-from tenx.scaling.planner import (
+from tenx.scaling.rungs import (
     DEFAULT_BUDGETS,
     BudgetCheck,
     LadderConfig,
     PlannedRun,
     format_checks,
-    format_plan,
+    format_ladder_plan,
     minimum_checks,
     parse_budgets,
     plan_checks,
@@ -51,7 +51,7 @@ __all__ = [
     "estimate_seconds",
     "evaluate_run",
     "format_checks",
-    "format_plan",
+    "format_ladder_plan",
     "load_base",
     "measure_tokens_per_s",
     "minimum_checks",
@@ -73,7 +73,7 @@ def ensure_data(base: RunConfig, lc: LadderConfig, *, dry_run: bool = False) -> 
     A dry run prepares nothing: it says what it would prepare and where, and plans with the vocabulary
     that tokenizer will have.
     """
-    from tenx.data.prepare import PrepareConfig, format_summary, is_prepared, prepare
+    from tenx.data.prepare.pipeline import PrepareConfig, format_prepare_summary, is_prepared, prepare
     from tenx.data.tokenizer import ByteTokenizer
 
     if (Path(base.data.dir) / "manifest.json").exists():
@@ -102,7 +102,7 @@ def ensure_data(base: RunConfig, lc: LadderConfig, *, dry_run: bool = False) -> 
         model = dataclasses.replace(base.model, vocab_size=base.model.vocab_size or vocab)
         return dataclasses.replace(base, data=data, model=model)
     print(f"tenx: preparing {lc.prepare_source} into {target} ({lc.prepare_tokenizer} tokenizer)")
-    print(format_summary(prepare(prep, progress=False), target))
+    print(format_prepare_summary(prepare(prep, progress=False), target))
     return dataclasses.replace(base, data=data)
 
 
@@ -160,7 +160,7 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.bpb import eval_texts
     from tenx.eval.load import load_model
-    from tenx.plan.hardware import resolve_precision
+    from tenx.hardware import resolve_precision
 
     loaded = load_model(run_dir, "auto")
     data_dir = loaded.data_dir
@@ -250,8 +250,8 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     """Training tokens per second of cfg's model on this machine (a few timed steps on random tokens)."""
     import torch
 
+    from tenx.hardware import pick_device, resolve_precision, tune_cpu_allocator
     from tenx.model.transformer import Transformer, lm_loss
-    from tenx.plan.hardware import pick_device, resolve_precision, tune_cpu_allocator
     from tenx.train.optim import build_optimizer
 
     device = pick_device(cfg.train.device)
@@ -345,7 +345,7 @@ def run_ladder(
     footer = format_checks(checks, lc) if lc.grid == "isoflop" else None
     out = Path(out)
     if dry_run:
-        print(format_plan(plan, estimate_seconds(plan, lc) if estimate else None, footer))
+        print(format_ladder_plan(plan, estimate_seconds(plan, lc) if estimate else None, footer))
         return []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
@@ -359,10 +359,10 @@ def run_ladder(
     )
     if emit is not None:
         scripts = emit_launch(plan, out, emit, collect or "tenx ladder ...", nproc, nodes)
-        print(format_plan(plan, footer=footer))
+        print(format_ladder_plan(plan, footer=footer))
         print("launch scripts:\n  " + "\n  ".join(str(p) for p in scripts))
         return []
-    print(format_plan(plan, footer=footer))
+    print(format_ladder_plan(plan, footer=footer))
     rows = []
     t0 = time.perf_counter()
     for i, run in enumerate(plan, 1):

@@ -9,7 +9,7 @@ from typing import Literal
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.scaling.planner import PlannedRun
+from tenx.scaling.rungs import PlannedRun
 from tenx.utils.io import atomic_write_text
 
 

@@ -6,7 +6,7 @@ Two sources:
 - the run itself (`predict_from_run`): the law fitted to the curve so far, its shape pinned softly by
   priors, extrapolated to the run's last step. Call it again as the run goes on.
 
-The file format is tenx.monitor.prediction's (versioned); the monitor watches a run against it.
+The file format is tenx.monitor.prediction_file's (versioned); the monitor watches a run against it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tenx import rundir
 from tenx.errors import ConfigError, TenxError
 from tenx.model.flops import count_params
 from tenx.monitor.plots import plot_prediction
-from tenx.monitor.prediction import Prediction, write_prediction
+from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.scaling.curve import (
     DEFAULT_LAW,
     EXTRAPOLATION_LAW,
@@ -37,7 +37,7 @@ PREDICTION_PNG = rundir.PREDICTION_PNG
 
 def params_of(cfg: RunConfig) -> int:
     """Total parameters of cfg's model (the vocabulary from model.vocab_size or data.dir's manifest)."""
-    from tenx.scaling.planner import vocab_size_of
+    from tenx.scaling.rungs import vocab_size_of
 
     try:
         vocab = vocab_size_of(cfg)

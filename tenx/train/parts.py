@@ -19,13 +19,13 @@ import torch
 from tenx import checkpoint as ckpt
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import ConfigError, TenxError
+from tenx.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import Transformer
 from tenx.monitor.events import EventLog
 from tenx.monitor.goodput import Ledger
 from tenx.parallel.distributed import DistEnv, dist_env, rank_device, wrap_model
-from tenx.plan.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.rundir import RunDir
 from tenx.train.config import RunConfig, accumulation_steps
 from tenx.train.config import tokens_per_step as run_tokens_per_step

@@ -11,8 +11,8 @@ from tenx import checkpoint as ckpt
 from tenx import rundir
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
+from tenx.hardware import pick_device
 from tenx.parallel.distributed import dist_env, init_distributed, rank_device, shutdown_distributed
-from tenx.plan.hardware import pick_device
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector

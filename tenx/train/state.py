@@ -29,7 +29,7 @@ import tenx
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.errors import CheckpointError, DataError, TenxError, UnsafeCheckpointError
-from tenx.plan.hardware import hardware_summary
+from tenx.hardware import hardware_summary
 from tenx.rundir import STEP_DIR
 from tenx.train.parts import memory_tier_dir
 from tenx.train.rng import numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
+from tenx.hardware import resolve_precision
 from tenx.model.transformer import lm_loss
 from tenx.monitor.goodput import process_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, full_value
 from tenx.parallel.replicas import LocalStep
-from tenx.plan.hardware import resolve_precision
 from tenx.rundir import RunDir
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback

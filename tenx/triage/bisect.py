@@ -142,7 +142,9 @@ def _relative(a64: torch.Tensor, r: torch.Tensor) -> float:
     return float(diff / scale) if float(scale) > 0 else float(diff)
 
 
-def compare(fast: Any, ref: Any, sensitivity: Any = None) -> tuple[str | None, float | None, float]:
+def compare_with_reference(
+    fast: Any, ref: Any, sensitivity: Any = None
+) -> tuple[str | None, float | None, float]:
     """(problem or None, norm-wise relative error, tolerance) of an op's outputs against float64.
 
     The tolerance is the output dtype's (TOLERANCE), widened for an ill-conditioned op: `sensitivity`, the
@@ -198,9 +200,9 @@ def _dtypes(values: Any) -> Any:
 
 
 def check_op(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[str | None, float | None, float]:
-    """Compare `out` (the op's output as run) with float64 on the same inputs; see `compare`."""
+    """Compare `out` (the op's output as run) with float64 on the same inputs; see `compare_with_reference`."""
     ref = func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs))
-    problem, err, tol = compare(out, ref)
+    problem, err, tol = compare_with_reference(out, ref)
     if problem is None:
         return problem, err, tol
     moved = perturb((args, kwargs), _dtypes((args, kwargs)))
@@ -208,7 +210,7 @@ def check_op(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[str | None
         sensitivity = func(*moved[0], **moved[1])
     except Exception:
         return problem, err, tol
-    return compare(out, ref, sensitivity)
+    return compare_with_reference(out, ref, sensitivity)
 
 
 def misbehaves(func: Any, args: tuple, kwargs: dict) -> str | None:

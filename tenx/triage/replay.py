@@ -45,8 +45,8 @@ from tenx import checkpoint as ckpt
 from tenx import rundir as rd
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import CheckpointError, DataError, TenxError
+from tenx.hardware import pick_device
 from tenx.model.transformer import Transformer, lm_loss
-from tenx.plan.hardware import pick_device
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug
 from tenx.train.callbacks.record import error_frames, read_steps, step_digest

@@ -41,7 +41,7 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, read_ledger
-from tenx.monitor.prediction import read_prediction
+from tenx.monitor.prediction_file import read_prediction
 from tenx.rundir import RunDir
 
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "pred_dev")

@@ -33,6 +33,7 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.dashboard.data import RunView, unique_names
 from tenx.monitor.dashboard.page import LIVE_CSP, dashboard_js, plotly_js, render_page
+from tenx.utils.net import parse_bind
 
 DEFAULT_BIND = "127.0.0.1:8050"
 FILE_TYPES = {
@@ -52,16 +53,6 @@ COMMON_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
-
-
-def parse_bind(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (or `[IPV6]:PORT`) as (host, port); port 0 asks the system for a free one."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise TenxError(f"--bind {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8050 (port 0: any free port)")
-    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:

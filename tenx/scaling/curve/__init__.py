@@ -15,16 +15,7 @@ single-threaded BLAS), laws (the laws and size terms as columns of linear coeffi
 (schedules from an OptimConfig or a metrics lr column, progress variables, curves from run directories).
 """
 
-from tenx.scaling.curve.evaluate import (
-    benchmark,
-    budget_groups,
-    curve_error,
-    protocol,
-    self_extrapolation_error,
-    split_error,
-)
-from tenx.scaling.curve.fitting import CurveFit, fit_curves, fit_from_params, log_predict
-from tenx.scaling.curve.laws import (
+from tenx.scaling.curve.curve_laws import (
     DEFAULT_LAW,
     DEFAULT_PRIORS,
     EXTRAPOLATION_LAW,
@@ -33,7 +24,22 @@ from tenx.scaling.curve.laws import (
     Law,
     design,
 )
-from tenx.scaling.curve.predict import PRIOR_SD, CurvePrediction, extrapolate_run, predict_curve, prior_from
+from tenx.scaling.curve.evaluate import (
+    benchmark,
+    curve_error,
+    curves_by_budget,
+    protocol,
+    self_extrapolation_error,
+    split_error,
+)
+from tenx.scaling.curve.extrapolate import (
+    PRIOR_SD,
+    CurvePrediction,
+    extrapolate_run,
+    predict_curve,
+    prior_from,
+)
+from tenx.scaling.curve.fitting import CurveFit, fit_curves, fit_from_params, log_predict
 from tenx.scaling.curve.schedule import (
     PARAMS_UNIT,
     PROGRESS_UNIT,
@@ -63,7 +69,7 @@ __all__ = [
     "Law",
     "Schedule",
     "benchmark",
-    "budget_groups",
+    "curves_by_budget",
     "curve_error",
     "curve_from_records",
     "curve_from_run",

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError
+from tenx.scaling.curve.extrapolate import CurvePrediction, extrapolate_run, predict_curve
 from tenx.scaling.curve.fitting import fit_curves
-from tenx.scaling.curve.predict import CurvePrediction, extrapolate_run, predict_curve
 from tenx.scaling.curve.schedule import Curve
 
 WINDOW = 25
@@ -137,7 +137,7 @@ def protocol(curves: Sequence[Curve]) -> dict[str, Any]:
         "test": [c.name for c in curves if c.params == sizes[-1]],
     }
     out: dict[str, Any] = {"cross_schedule": cross, "leave_largest_out": largest}
-    groups = budget_groups(curves)
+    groups = curves_by_budget(curves)
     if len(groups) >= 2:
         out["leave_largest_budget_out"] = {
             "train": [n for g in groups[:-1] for n in g],
@@ -146,7 +146,7 @@ def protocol(curves: Sequence[Curve]) -> dict[str, Any]:
     return out
 
 
-def budget_groups(curves: Sequence[Curve], tolerance: float = 0.05) -> list[list[str]]:
+def curves_by_budget(curves: Sequence[Curve], tolerance: float = 0.05) -> list[list[str]]:
     """Names of the curves that share a training budget (FLOPs within `tolerance`), by budget, smallest
     first: a ladder's rungs. Curves without FLOPs (no run.json) belong to none."""
     known = sorted((c for c in curves if c.flops), key=lambda c: float(c.flops or 0))

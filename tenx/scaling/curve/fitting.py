@@ -27,7 +27,7 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 from tenx.errors import ConfigError
-from tenx.scaling.curve.laws import (
+from tenx.scaling.curve.curve_laws import (
     DEFAULT_LAW,
     LAWS,
     SIZE_EXPONENT_BOUNDS,

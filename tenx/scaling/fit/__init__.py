@@ -40,7 +40,7 @@ from tenx.scaling.fit.laws import (
 from tenx.scaling.fit.plots import plot_fit
 from tenx.scaling.fit.published import inner_cv, published_accuracy
 from tenx.scaling.fit.report import (
-    format_report,
+    format_fit,
     leave_largest_size_out,
     parse_target,
     run_fit,
@@ -66,7 +66,7 @@ __all__ = [
     "fit_compute",
     "fit_data_constrained",
     "fit_points",
-    "format_report",
+    "format_fit",
     "inner_cv",
     "isoflop_minima",
     "leave_largest_out",

@@ -309,7 +309,7 @@ def _fmt_interval(lo: float | None, hi: float | None) -> str:
     return f"  [{lo:.4g}, {hi:.4g}]"
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_fit(report: dict[str, Any]) -> str:
     """A readable summary of `run_fit`'s report: parameters, predictions, leave-largest-out, target."""
     fit = report["fit"]
     lines = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tenx.plan.failures import young_daly_interval_s
+from tenx.checkpoint.interval import young_daly_interval_s
 from tenx.train.hooks import Callback
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
-from tenx.monitor.metrics import read_metrics
+from tenx.monitor.metrics_file import read_metrics
 from tenx.train.hooks import Callback
 from tenx.utils.io import atomic_write_text
 

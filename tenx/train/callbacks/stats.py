@@ -1,4 +1,4 @@
-"""Statistics inside the model every `monitor.stats_every` steps (names and maths: tenx/monitor/stats.py).
+"""Statistics inside the model every `monitor.stats_every` steps (names and maths: tenx/monitor/internals.py).
 
 On a stats step the callback reads the gradients and parameters from `pre_optim_step`, the optimizer's
 change from `on_step_end`, and runs one probe forward without gradients, in the training precision, on a
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
-from tenx.monitor.stats import (
+from tenx.monitor.internals import (
     activation_moments,
     group_sums,
     layer_index,
@@ -83,7 +83,7 @@ class _Clock:
 
 
 class ModelStats(Callback):
-    """Adds the `stats/...` figures of tenx.monitor.stats to the metrics of every `every`-th step."""
+    """Adds the `stats/...` figures of tenx.monitor.internals to the metrics of every `every`-th step."""
 
     name = "stats"
 
@@ -94,7 +94,7 @@ class ModelStats(Callback):
         self._clock: _Clock | None = None
         self._probe: torch.Tensor | None = None
         self._layers: list[str] = []
-        """The model's layers (block indices, then embed / head / norm), in the order of tenx.monitor.stats."""
+        """The model's layers (block indices, then embed / head / norm), in the order of tenx.monitor.internals."""
         self._index: list[int] = []
         """Each parameter's position in `_layers`."""
         self._shard_mask: list[bool] = []

@@ -2,7 +2,7 @@
 
 Runs on rank 0 after every callback that adds figures to a step's metrics (validation, model statistics,
 extra callbacks) and before the metrics are written, so `pred_*` figures land in metrics.jsonl and its
-events in events.jsonl at the step they concern. tenx/monitor/watch.py and tenx/monitor/trends.py hold
+events in events.jsonl at the step they concern. tenx/monitor/deviation.py and tenx/monitor/trends.py hold
 the logic and say what each figure and event means.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 from tenx import rundir
 from tenx.errors import ConfigError, TenxError
 from tenx.monitor.config import MonitorConfig
-from tenx.monitor.prediction import read_prediction, write_prediction
+from tenx.monitor.deviation import PredictionWatch, check_target
+from tenx.monitor.prediction_file import read_prediction, write_prediction
 from tenx.monitor.trends import TrendConfig, TrendDetectors
-from tenx.monitor.watch import PredictionWatch, check_target
 from tenx.train.hooks import Callback
 
 

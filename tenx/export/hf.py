@@ -203,7 +203,7 @@ def export_hf(target: str | Path, out: str | Path, checkpoint: str | Path | None
     return {**summary, "out": str(out)}
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_export_summary(summary: dict[str, Any]) -> str:
     """Lines the CLI prints after an export."""
     lines = [
         f"exported {summary['checkpoint']} (step {summary['step']})",

@@ -131,7 +131,7 @@ def fill(
     return windows
 
 
-def decontaminate(
+def decontaminate_partitions(
     partitions: Partitions,
     windows: np.ndarray,
     threshold: float,

@@ -24,7 +24,7 @@ from collections import deque
 from typing import Any
 
 from tenx.errors import ConfigError
-from tenx.monitor.prediction import Prediction
+from tenx.monitor.prediction_file import Prediction
 
 VAL_PERSIST = 2
 """Consecutive validations beyond the band that make an off-prediction event (each is 0.1-0.5% noisy)."""

@@ -195,15 +195,15 @@ _SCAN: dict[str, Any] = {}
 
 
 def _scan_init(shingle: int, near_dups: bool) -> None:
-    from tenx.data.dedup import permutations
+    from tenx.data.prepare.dedup import permutations
 
     _SCAN.update(shingle=shingle, perms=permutations() if near_dups else None)
 
 
 def _scan_batch(batch: list[tuple[int, str, Any]]) -> list[tuple[str, Any, Any, Any]]:
     """Per document: (outcome, digest, num_bytes, signature), outcome 'kept' or a CleaningStats counter."""
-    from tenx.data.clean import CleaningStats, clean_text
-    from tenx.data.dedup import signature
+    from tenx.data.prepare.clean import CleaningStats, clean_text
+    from tenx.data.prepare.dedup import signature
 
     out = []
     for _, _, data in batch:
@@ -227,7 +227,7 @@ def _source(
     with `select`, a rejected position may come with empty data (see iter_documents)."""
     import itertools
 
-    from tenx.data.sources import iter_documents
+    from tenx.data.prepare.sources import iter_documents
 
     raw = iter_documents(
         cfg.source,
@@ -251,8 +251,8 @@ class Scanner:
     and signature; `commit` records how far it got. The same for local workers and for engine tasks."""
 
     def __init__(self, cfg: Any, work: Work) -> None:
-        from tenx.data.clean import CleaningStats
-        from tenx.data.dedup import NUM_PERM
+        from tenx.data.prepare.clean import CleaningStats
+        from tenx.data.prepare.dedup import NUM_PERM
 
         self.cfg, self.work = cfg, work
         self.done = work.state.get(
@@ -358,7 +358,7 @@ def kept_documents(work: Work) -> tuple[np.ndarray, list[str]]:
 
 def signatures(work: Work, count: int) -> np.ndarray:
     """The kept documents' MinHash signatures, memory-mapped (an all-zero row: no words)."""
-    from tenx.data.dedup import NUM_PERM
+    from tenx.data.prepare.dedup import NUM_PERM
 
     if count == 0:
         return np.zeros((0, NUM_PERM), dtype=np.uint64)
@@ -367,7 +367,7 @@ def signatures(work: Work, count: int) -> np.ndarray:
 
 # ----- texts for the tokenizer, and tokenization -------------------------------------------------------------
 def _clean(data: Any) -> str:
-    from tenx.data.clean import CleaningStats, clean_text
+    from tenx.data.prepare.clean import CleaningStats, clean_text
 
     cleaned = clean_text(data, CleaningStats())
     assert cleaned is not None, "a kept document no longer cleans: the source changed during prepare"

@@ -17,9 +17,6 @@ import numpy as np
 import xxhash
 
 from tenx.config import check_bounds, field
-from tenx.data.clean import BINARY_SNIFF_BYTES, CleaningStats, clean_text  # noqa: F401 - re-exported
-from tenx.data.dedup import group_splits, groups_from_signatures
-from tenx.data.engine import merge_scan, merge_tokenize, run_stage
 from tenx.data.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -28,9 +25,21 @@ from tenx.data.manifest import (
     verify_split,
 )
 from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD, INDEX_FILE, load_index, remove_stale_indexes
-from tenx.data.partitioned import Partitions, decontaminate, fill, write_index
-from tenx.data.sources import effective_patterns, source_provenance
-from tenx.data.stream import ShardWriter, TokenReader, Work, kept_documents, scan, signatures, texts, tokenize
+from tenx.data.prepare.clean import BINARY_SNIFF_BYTES, CleaningStats, clean_text  # noqa: F401 - re-exported
+from tenx.data.prepare.dedup import group_splits, groups_from_signatures
+from tenx.data.prepare.engine import merge_scan, merge_tokenize, run_stage
+from tenx.data.prepare.partitioned import Partitions, decontaminate_partitions, fill, write_index
+from tenx.data.prepare.sources import effective_patterns, source_provenance
+from tenx.data.prepare.stream import (
+    ShardWriter,
+    TokenReader,
+    Work,
+    kept_documents,
+    scan,
+    signatures,
+    texts,
+    tokenize,
+)
 from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
 from tenx.utils.io import atomic_write_json, fsync_dir
@@ -189,8 +198,8 @@ def assign_split(doc_id: str, seed: int, val_ratio: float, heldout_ratio: float)
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     """Turn `cfg.source` into verified token shards under `cfg.out` and return the manifest written there.
 
-    Streaming and resumable (tenx/data/stream.py): the source is read three times, never held in memory;
-    n-grams are counted in hash partitions on disk (tenx/data/partitioned.py)."""
+    Streaming and resumable (tenx/data/prepare/stream.py): the source is read three times, never held in memory;
+    n-grams are counted in hash partitions on disk (tenx/data/prepare/partitioned.py)."""
     cfg.validate()
     out = Path(cfg.out)
     _check_out_dir(out)
@@ -326,7 +335,7 @@ def is_prepared(cfg: PrepareConfig) -> bool:
     return True
 
 
-def format_summary(manifest: dict[str, Any], data_dir: str | Path | None = None) -> str:
+def format_prepare_summary(manifest: dict[str, Any], data_dir: str | Path | None = None) -> str:
     """One-screen summary of a preparation: per-split sizes, cleaning counts, tokenizer and output directory."""
     header = f"{'split':<10}{'documents':>12}{'bytes':>16}{'tokens':>16}{'bytes/token':>13}"
     lines = [f"prepared {manifest['source']['spec']!r}", header, "-" * len(header)]
@@ -451,7 +460,7 @@ def _move_contaminated(
     total_tokens: int,
 ) -> tuple[dict[str, Any], list[np.ndarray], Partitions]:
     """Move the val and held-out documents that decontamination names into train (tenx.data.ngrams.
-    decontaminate, counted in hash partitions); the manifest's record, the moved documents' hashes and the
+    decontaminate_partitions, counted in hash partitions); the manifest's record, the moved documents' hashes and the
     partitions (the train index is written from them).
 
     The tokenizer, trained on the train split before the move, is kept: retraining it would change the
@@ -463,7 +472,7 @@ def _move_contaminated(
         (("train", reader(i)) for i in members["train"]), (("held", reader(i)) for i in held)
     )
     windows = fill(partitions, documents, cfg.ngram_index, eot_id, len(held))
-    result, added = decontaminate(partitions, windows, cfg.contamination_threshold)
+    result, added = decontaminate_partitions(partitions, windows, cfg.contamination_threshold)
     moving = {held[i] for i in result.moved}
     moved = sorted(ids[i] for i in moving)
     record: dict[str, Any] = {

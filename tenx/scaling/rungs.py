@@ -511,7 +511,7 @@ def minimum_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda m: m["budget"])
 
 
-def format_plan(
+def format_ladder_plan(
     plan: list[PlannedRun], seconds: dict[str, float] | None = None, footer: str | None = None
 ) -> str:
     """A table of the plan: shape, parameters, tokens, FLOPs, batch, lr, (optionally) time and a footer

@@ -17,8 +17,8 @@ import numpy as np
 from scipy.stats import norm
 
 from tenx.errors import ConfigError
+from tenx.scaling.curve.curve_laws import DEFAULT_PRIORS, EXTRAPOLATION_LAW, LAWS, design
 from tenx.scaling.curve.fitting import CurveFit, fit_curves, log_predict
-from tenx.scaling.curve.laws import DEFAULT_PRIORS, EXTRAPOLATION_LAW, LAWS, design
 from tenx.scaling.curve.schedule import PARAMS_UNIT, Curve, Schedule
 
 MAX_POINTS = 2048

@@ -20,8 +20,8 @@ import threading
 from typing import Any
 
 from tenx.errors import ConfigError
-from tenx.monitor.metrics import read_metrics
-from tenx.monitor.prediction import read_prediction
+from tenx.monitor.metrics_file import read_metrics
+from tenx.monitor.prediction_file import read_prediction
 from tenx.rundir import RunDir
 from tenx.scaling.curve import EXTRAPOLATION_LAW, curve_from_records, extrapolate_run, schedule_from_config
 from tenx.train.config import RunConfig

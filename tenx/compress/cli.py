@@ -14,7 +14,7 @@ SUFFIX = ".tenx"
 
 def cmd_compress(args: argparse.Namespace) -> None:
     """Compress a file with a run's model; print bits per byte and speed."""
-    from tenx.eval.codec import compress_file
+    from tenx.compress.codec import compress_file
 
     out = args.out or args.file + SUFFIX
     report = compress_file(args.run_dir, args.file, out, args.force, threads=args.threads, device=args.device)
@@ -23,8 +23,8 @@ def cmd_compress(args: argparse.Namespace) -> None:
 
 def cmd_decompress(args: argparse.Namespace) -> None:
     """Decompress a `.tenx` file with the run's model it was compressed with."""
+    from tenx.compress.codec import decompress_file
     from tenx.errors import TenxError
-    from tenx.eval.codec import decompress_file
 
     out = args.out
     if out is None:

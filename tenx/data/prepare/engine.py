@@ -1,6 +1,6 @@
 """`tenx data prepare --engine datatrove`: the two heavy passes as tasks of Hugging Face datatrove's executors.
 
-Where one machine's cores are not enough, the scan and the tokenize pass (tenx/data/stream.py) run as
+Where one machine's cores are not enough, the scan and the tokenize pass (tenx/data/prepare/stream.py) run as
 datatrove pipeline steps over `tasks` ranks: locally with `LocalPipelineExecutor` (a process pool), or on a
 cluster with `SlurmPipelineExecutor` (job arrays; the driver waits for every rank's completion marker).
 Task r handles the documents whose read position is r modulo the task count (a directory's other files are
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tenx.data import stream
+from tenx.data.prepare import stream
 from tenx.errors import ConfigError, DataError
 
 TASK = np.dtype([("seq", "<u8"), ("code", "u1"), ("num_bytes", "<u8"), ("digest", "V16")])
@@ -46,7 +46,7 @@ def _publish(paths: list[Path]) -> None:
 
 def scan_task(cfg: Any, rank: int, world: int) -> None:
     """One rank of the scan: outcome, bytes, digest, id and signature of each of its documents, in order."""
-    from tenx.data.dedup import NUM_PERM
+    from tenx.data.prepare.dedup import NUM_PERM
 
     work_dir = Path(cfg.out) / stream.WORK_DIR
     paths = [_task_path(work_dir, "scan", rank, f"{s}.tmp") for s in ("rows", "ids", "sigs")]
@@ -67,7 +67,7 @@ def scan_task(cfg: Any, rank: int, world: int) -> None:
 
 def merge_scan(cfg: Any, work: stream.Work, world: int) -> dict[str, Any]:
     """The ranks' outcomes through the Scanner in read order (position p is rank p % world's p // world-th)."""
-    from tenx.data.dedup import NUM_PERM
+    from tenx.data.prepare.dedup import NUM_PERM
 
     scanner = stream.Scanner(cfg, work)
     rows = [np.fromfile(_task_path(work.dir, "scan", r, "rows"), dtype=TASK) for r in range(world)]

@@ -1,0 +1,2 @@
+"""Lossless compression with a trained model (`tenx compress`, `tenx decompress`): range coding driven by
+its next-token probabilities."""

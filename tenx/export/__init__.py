@@ -1,0 +1,1 @@
+"""Exporting a trained model to other ecosystems: a Hugging Face `transformers` model directory."""
