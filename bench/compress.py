@@ -48,7 +48,7 @@ BASELINES = {
 def find_run(path: Path) -> Path | None:
     """The run directory at `path`, or inside a `tenx quickstart` output (its `run/`); None if neither."""
     for candidate in (path, path / "run"):
-        if (candidate / rundir.CHECKPOINTS).is_dir():
+        if rundir.RunDir(candidate).checkpoints.is_dir():
             return candidate
     return None
 
@@ -145,7 +145,7 @@ def main() -> None:
 def _eval_bpb(run: Path) -> float | None:
     """The held-out bits per byte `tenx eval` recorded for the run (the whole split as one stream), if any."""
     try:
-        return json.loads((run / rundir.EVAL).read_text())["overall"]["bits_per_byte"]
+        return json.loads(rundir.RunDir(run).eval_report.read_text())["overall"]["bits_per_byte"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

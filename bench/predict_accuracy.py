@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, Curve, curve_from_run, fit_curves, read_curves
-from tenx.scaling.curve.evaluate import WINDOW, protocol, self_extrapolation_error, split_error
+from tenx.scaling.curve.backtest import WINDOW, protocol, self_extrapolation_error, split_error
 from tenx.scaling.curve.extrapolate import prior_from
 from tenx.scaling.fit.published import DEFAULT_VARIANT, TOTAL, published_accuracy
 

@@ -33,7 +33,7 @@ from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.data.prepare.sources import copy_stdlib_packages
 from tenx.rundir import RunDir
 from tenx.triage.classify import format_causes, triage
-from tenx.triage.store import format_incidents
+from tenx.triage.incident_store import format_incidents
 
 PACKAGES = ("json", "email", "http", "xml", "unittest", "asyncio", "logging", "importlib")
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"

@@ -1,10 +1,12 @@
 """Typed configuration trees: dataclasses loaded from TOML with dotted-key overrides.
 
 Each component owns a small dataclass `Config` whose fields carry a `help` string and, for numbers, bounds
-(`ge`, `gt`, `le`, `lt`) in their metadata; choices are Literal types. Its `validate()` checks the bounds
-(`check_bounds`) and what relates several fields, naming the bad field. This module only knows how to turn
-a TOML table into such a tree, checking every key, type and bound before any work starts, and how to turn
-the tree back into plain data.
+(`ge`, `gt`, `le`, `lt`) in their metadata; choices are Literal types. `validate_tree` checks every node's
+bounds under its dotted path, then calls the node's `validate()`, if it has one, for what bounds cannot say
+(what relates several fields), naming the bad field. A config also validated on its own (a `LadderConfig`
+built from flags) names its section once, `SECTION: ClassVar[str] = "ladder"`, and its `validate()` calls
+`check_bounds(self)`. This module only knows how to turn a TOML table into such a tree, checking every key,
+type and bound before any work starts, and how to turn the tree back into plain data.
 """
 
 from __future__ import annotations
@@ -108,12 +110,14 @@ def _literals(tp: Any) -> list[Any]:
     return []
 
 
-def check_bounds(cfg: Any, where: str = "") -> None:
+def check_bounds(cfg: Any, where: str | None = None) -> None:
     """Check the `ge`/`gt`/`le`/`lt` bounds of every field of a config tree; the error names the field.
 
-    `where` is the tree's dotted path ('parallel.replicas'); `from_dict` runs this on every node it builds,
-    and each config's `validate()` on itself, so a tree built in Python is checked too.
+    `where` is the tree's dotted path ('parallel.replicas'; by default the config's `SECTION`, else none).
+    `from_dict` checks every node it builds and `validate_tree` every node of a tree, so a tree built in
+    Python is checked too.
     """
+    where = getattr(cfg, "SECTION", "") if where is None else where
     _check_node_bounds(cfg, where)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -303,11 +307,13 @@ def load(cls: type[T], path: str | Path | None, overrides: list[str] | None = No
 
 
 def validate_tree(cfg: Any, where: str = "") -> None:
-    """Call `validate()` on every config node, prefixing errors with the node's path."""
+    """Check every config node's bounds and call its `validate()`, children first; an error names the
+    node's path (`where` is the tree's own, with a trailing dot: 'parallel.')."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             validate_tree(value, f"{where}{f.name}.")
+    _check_node_bounds(cfg, where.removesuffix(".") if where else getattr(cfg, "SECTION", ""))
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         try:
@@ -360,7 +366,7 @@ def field_reference(cls: type) -> str:
     return "\n".join(out) + "\n"
 
 
-# ----- command-line flags from config fields (tenx/cli.py) -------------------------------------------
+# ----- command-line flags from config fields (the packages' cli.py) -----------------------------------------
 def add_config_arguments(
     parser: argparse.ArgumentParser,
     cls: type,

@@ -27,9 +27,9 @@ from tenx.data.manifest import read_manifest, split_documents_text
 from tenx.data.prepare.pipeline import PrepareConfig, format_prepare_summary, is_prepared, prepare
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import ConfigError
-from tenx.eval.run import evaluate
+from tenx.eval.evaluate import evaluate
 from tenx.hardware import cpu_name, pick_device, resolve_precision
-from tenx.monitor.plots import plot_loss_curve
+from tenx.monitor.loss_plot import plot_loss_curve
 from tenx.scaling.ladder import measure_tokens_per_s
 from tenx.train.config import load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step
@@ -66,6 +66,7 @@ def quickstart(
     t0 = time.perf_counter()
     out = Path(out)
     data_dir, run_dir = out / "data", out / "run"
+    run = rundir.RunDir(run_dir)
 
     prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=4096)
     if is_prepared(prep):
@@ -75,10 +76,10 @@ def quickstart(
         print(format_prepare_summary(prepare(prep), data_dir))
 
     settings = [f'data.dir="{data_dir}"', *(overrides or [])]
-    existing = ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS)
+    existing = ckpt.list_checkpoints(run.checkpoints)
     plan = _plan(out, data_dir, settings, steps, minutes, time.perf_counter() - t0, bool(existing))
     cfg = load_run_config(resolve_config_path("quickstart"), settings + plan["settings"])
-    latest, _ = ckpt.latest_verified(run_dir / rundir.CHECKPOINTS)
+    latest, _ = ckpt.latest_verified(run.checkpoints)
     if latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= (cfg.train.steps or 0):
         print(f"[2/4] reusing finished run in {run_dir}")
     else:
@@ -100,8 +101,8 @@ def quickstart(
     documents = [text.encode("utf-8") for text in split_documents_text(data_dir, manifest, "heldout", tok)]
     xz_bpb = xz_bits_per_byte(b"".join(documents))
     xz_doc_bpb = xz_bits_per_byte_per_document(documents)
-    curve = plot_loss_curve(run_dir / rundir.METRICS, out / rundir.LOSS_CURVE, f"tenx quickstart ({source})")
-    prequential = _read_json(run_dir / rundir.PREQUENTIAL)
+    curve = plot_loss_curve(run.metrics, out / rundir.LOSS_CURVE, f"tenx quickstart ({source})")
+    prequential = _read_json(run.prequential)
     same = prequential.get("same_bytes") or {}
 
     summary = {
@@ -122,7 +123,7 @@ def quickstart(
         "precision": plan.get("precision"),
         "cpu": cpu_name(),
         "run_dir": str(run_dir),
-        "metrics": str(run_dir / rundir.METRICS),
+        "metrics": str(run.metrics),
         "loss_curve": str(curve),
         "eval": report["path"],
         "data_dir": str(data_dir),

@@ -50,13 +50,22 @@ PREDICTION_PNG = "prediction.png"
 EXTRAPOLATION = "extrapolation"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
+STACKS = "stacks-pid"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 """A published checkpoint's directory name."""
+STEP_GLOB = "step_" + "[0-9]" * 8
+"""STEP_DIR as a glob (with a prefix and a suffix, it finds the leftovers of an interrupted save)."""
 
 
 def step_dir_name(step: int) -> str:
     """The directory name of the checkpoint of `step`."""
     return f"step_{step:08d}"
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step of a checkpoint directory `path` (named like step_00000020), None for any other name."""
+    match = STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,10 @@ class RunDir:
         return self.root / DATA_SKIPS
 
     @property
+    def eval_report(self) -> Path:
+        return self.root / EVAL
+
+    @property
     def loss_curve(self) -> Path:
         return self.root / LOSS_CURVE
 
@@ -129,6 +142,11 @@ class RunDir:
         return self.root / EXTRAPOLATION
 
     @property
+    def extrapolation_png(self) -> Path:
+        """The plot of `tenx predict --run` (the run's prediction from its own curve)."""
+        return self.extrapolation / PREDICTION_PNG
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / TENSORBOARD
 
@@ -142,4 +160,4 @@ class RunDir:
 
     def stacks(self, pid: int) -> Path:
         """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""
-        return self.root / f"stacks-pid{pid}.txt"
+        return self.root / f"{STACKS}{pid}.txt"

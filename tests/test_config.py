@@ -137,3 +137,54 @@ def test_config_flags_round_trip():
     assert lc == LadderConfig(grid="ratio", tokens_per_param=10.0)
     with pytest.raises(SystemExit):
         parser.parse_args(["--grid", "cube"])  # choices come from the Literal
+
+
+def _nodes(cfg, where=""):
+    import dataclasses
+
+    yield where, cfg
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _nodes(value, f"{where}.{f.name}" if where else f.name)
+
+
+def test_a_config_section_is_named_once_and_where_the_tree_puts_it():
+    """A config validated on its own names its section (SECTION) as the trees that hold it do."""
+    from tenx.scaling.derisk import DeriskConfig
+
+    sections = {}
+    for tree in (RunConfig(), DeriskConfig()):
+        for where, node in _nodes(tree):
+            if hasattr(node, "SECTION"):
+                sections[type(node).__name__] = (node.SECTION, where)
+    assert {"ModelConfig", "LadderConfig"} <= set(sections)
+    assert all(section == where for section, where in sections.values()), sections
+    hand_typed = [
+        str(p.relative_to(Path(cfglib.__file__).parents[1]))
+        for p in Path(cfglib.__file__).parent.rglob("*.py")
+        if "check_bounds(self, " in p.read_text()
+    ]
+    assert not hand_typed, f"name the section once (SECTION), not in check_bounds: {hand_typed}"
+
+
+def test_supervisor_section_flags_and_docs(capsys):
+    """`tenx train`'s supervisor flags come from SupervisorConfig, checked by its bounds; the docs list each."""
+    import dataclasses
+
+    from tenx.cli import main
+    from tenx.config import bounds_text
+    from tenx.launch.cli import SUPERVISOR_FLAG_NAMES, SUPERVISOR_FLAGS
+    from tenx.launch.supervise import SupervisorConfig
+
+    with pytest.raises(ConfigError, match=r"supervisor\.backoff_s: must be >= 0, got -1\.0"):
+        SupervisorConfig(backoff_s=-1.0).validate()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "fault-tolerance.md").read_text()
+    for f in dataclasses.fields(SupervisorConfig):
+        flag = SUPERVISOR_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        flag = f"`{flag}`" if f.name in SUPERVISOR_FLAGS else "(Python only)"
+        row = f"| {flag} | `{f.name}` | {bounds_text(f)} | `{f.default!r}` | {f.metadata['help']} |"
+        assert row in docs, f"docs/fault-tolerance.md's [supervisor] table lacks or misstates:\n{row}"
+    argv = ["train", "--config", "tiny", "--set", "train.steps=1", "--supervise", "--max-restarts", "-1"]
+    assert main(argv) == 2  # before any child starts
+    assert "tenx: error: supervisor.max_restarts: must be >= 0, got -1" in capsys.readouterr().err

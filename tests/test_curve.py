@@ -285,7 +285,7 @@ def test_the_default_ladder_predicts_its_top_budget_from_the_others_within_2_5_p
     """tests/data/ladder-val: the 14 validation curves up to 1.7e13 FLOPs predict the two 2.7e13 runs at
     every logged step (measured: 2.37% at worst, 2.16% at the end; the power law: 4.99%, 4.79%)."""
     from tenx.scaling.curve import read_curves
-    from tenx.scaling.curve.evaluate import split_error
+    from tenx.scaling.curve.backtest import split_error
 
     ladder = read_curves(Path(__file__).parent / "data" / "ladder-val" / "runs", quantity="val_loss")
     split = protocol(ladder)["leave_largest_budget_out"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tenx.cli import main
-from tenx.eval.run import evaluate
+from tenx.eval.evaluate import evaluate
 from tenx.train.run import train
 
 SETTINGS = ("train.steps=8", "train.eval_every=0", "checkpoint.every=8", "train.threads=1")

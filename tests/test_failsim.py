@@ -20,7 +20,7 @@ DRILL = Path(__file__).resolve().parents[1] / "runs" / "chaos_drill" / "drill.js
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    failsim.add_parser(ap.add_subparsers())
+    failsim.register(ap.add_subparsers())
     return ap.parse_args(["failures", *argv])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.cli import main
 from tenx.errors import ConfigError, DataError
 from tenx.eval.load import load_model
-from tenx.launch.supervise import supervise
+from tenx.launch.supervise import SupervisorConfig, supervise
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput
 from tenx.monitor.metrics_file import read_metrics
@@ -191,7 +192,7 @@ def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_p
     faults = ["sigkill@step=15", "corrupt-checkpoint@step=23", "crash@step=27"]
     args = _train_args(tiny_data, run, "checkpoint.every=10")
     args += ["--set", f"faults.inject={json.dumps(faults)}"]
-    report = supervise(args, run, max_restarts=5, backoff_s=0.0)
+    report = supervise(args, run, SupervisorConfig(max_restarts=5, backoff_s=0.0))
     assert report.finished and report.restarts == 2
     assert [a.returncode for a in report.attempts] == [-signal.SIGKILL, 1, 0]
     assert [a.last_step for a in report.attempts] == [14, 26, 40]
@@ -241,7 +242,7 @@ def test_hang_is_detected_dumped_and_restarted(tiny_data, tmp_path):
         "--set",
         "faults.inject=['hang@step=12']",
     ]
-    report = supervise(args, run, max_restarts=2, backoff_s=0.0)
+    report = supervise(args, run, SupervisorConfig(max_restarts=2, backoff_s=0.0))
     assert report.finished and [a.returncode for a in report.attempts] == [3, 0]
     (dump,) = run.glob("hang-step12-pid*.txt")
     text = dump.read_text()
@@ -279,7 +280,7 @@ def test_corrupt_shard_stops_a_supervised_run_without_restarts(tiny_data, tmp_pa
         "--set",
         "faults.inject=['corrupt-shard@step=3']",
     ]
-    report = supervise(args, run, max_restarts=5, backoff_s=0.0)
+    report = supervise(args, run, SupervisorConfig(max_restarts=5, backoff_s=0.0))
     assert not report.finished and len(report.attempts) == 1 and report.attempts[0].returncode == 2
     assert "cannot fix" in (report.gave_up or "")
     assert [e["fault_kind"] for e in read_events(run) if e["kind"] == "fault"] == ["corrupt-shard"]
@@ -296,18 +297,16 @@ def test_corrupt_shard_error_names_the_shard_at_first_read(tiny_config, tiny_dat
 def test_supervisor_gives_up_on_a_repeating_failure(tmp_path):
     """A child that always fails the same way is restarted twice, then the supervisor stops."""
     script = "import sys; sys.exit(7)"
+    launcher = shlex.join([sys.executable])
     report = supervise(
-        ["-c", script], tmp_path, launcher=[sys.executable], backoff_s=0.0, same_failure_limit=3
+        ["-c", script], tmp_path, SupervisorConfig(launcher=launcher, backoff_s=0.0, same_failure_limit=3)
     )
     assert [a.returncode for a in report.attempts] == [7, 7, 7]
     assert not report.finished and "3 times in a row" in (report.gave_up or "")
     report = supervise(
         ["-c", "import sys; sys.exit(9)"],
         tmp_path,
-        launcher=[sys.executable],
-        backoff_s=0.0,
-        max_restarts=1,
-        same_failure_limit=9,
+        SupervisorConfig(launcher=launcher, backoff_s=0.0, max_restarts=1, same_failure_limit=9),
     )
     assert len(report.attempts) == 2 and "max-restarts 1" in (report.gave_up or "")
 
@@ -327,7 +326,7 @@ def test_memory_tier_resumes_from_the_last_step_and_falls_back_when_damaged(tiny
     args = _train_args(tiny_data, run, "checkpoint.every=10")
     args += ["--set", "checkpoint.memory_every=1", "--set", f'checkpoint.memory_dir="{memory}"']
     args += ["--set", f"faults.inject={json.dumps(faults)}"]
-    report = supervise(args, run, max_restarts=5, backoff_s=0.0)
+    report = supervise(args, run, SupervisorConfig(max_restarts=5, backoff_s=0.0))
     assert report.finished and [a.returncode for a in report.attempts] == [
         -signal.SIGKILL,
         -signal.SIGKILL,

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tenx.cli import add_fit_parser
 from tenx.errors import ConfigError, DataError, TenxError
+from tenx.scaling import cli as scaling_cli
 from tenx.scaling.fit import (
     compute_for_loss,
     compute_optimal,
@@ -293,9 +293,9 @@ def test_parse_target():
 
 
 def fit_cli(argv):
-    """`tenx fit ...` through add_fit_parser on a fresh parser (independent of tenx/cli.py)."""
+    """`tenx fit ...` through tenx.scaling.cli.register on a fresh parser (independent of tenx/cli.py)."""
     parser = argparse.ArgumentParser(prog="tenx")
-    add_fit_parser(parser.add_subparsers(dest="command", required=True))
+    scaling_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["fit", *argv])
     args.func(args)
 

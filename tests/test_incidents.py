@@ -10,7 +10,7 @@ from tenx.errors import TenxError
 from tenx.monitor.events import EventLog
 from tenx.monitor.goodput import Ledger
 from tenx.rundir import RunDir
-from tenx.triage.store import IncidentStore, format_incidents, list_incidents
+from tenx.triage.incident_store import IncidentStore, format_incidents, list_incidents
 from tenx.utils.io import bytes_xxhash
 
 CRASH = {

@@ -8,7 +8,10 @@ inside functions and under `if TYPE_CHECKING:`. A module is placed by the longes
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from tenx import rundir
 
 ROOT = Path(__file__).resolve().parents[1] / "tenx"
 
@@ -19,26 +22,18 @@ LAYERS: list[list[str]] = [
     ["tenx.train"],
     ["tenx.launch", "tenx.eval", "tenx.triage", "tenx.export", "tenx.compress"],
     ["tenx.scaling", "tenx.plan", "tenx.quickstart"],
-    # The warm spare runs a `tenx` command line: it is an entry point, like __main__.
-    ["tenx.cli", "tenx.cli_parsing", "tenx.__main__", "tenx.launch.worker"],
+    # The warm spare runs a `tenx` command line: it is an entry point, like __main__; so is `tenx train`,
+    # whose runs tenx.scaling's self-extrapolation watches.
+    ["tenx.cli", "tenx.__main__", "tenx.launch.worker", "tenx.launch.cli"],
 ]
 
-# File and folder names of a run directory: only tenx/rundir.py spells them.
-RUN_FILES = (
-    "config.toml",
-    "run.json",
-    "metrics.jsonl",
-    "events.jsonl",
-    "ledger.jsonl",
-    "data_skips.json",
-    "eval.json",
-    "loss_curve.png",
-    "prediction.json",
-    "prediction.png",
-    "extrapolation",
-    "checkpoints",
-    "tensorboard",
-    "stacks-pid",
+# File and folder names of a run directory: only tenx/rundir.py spells them (every string constant it
+# defines), but for two that are also words of another kind: a manifest field and the incidents command.
+ALSO_OTHER_WORDS = {rundir.RUN_ID, rundir.INCIDENTS}
+RUN_FILES = tuple(
+    sorted(
+        v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and v not in ALSO_OTHER_WORDS
+    )
 )
 
 
@@ -170,3 +165,162 @@ def test_no_file_over_600_lines_and_a_short_trainer():
     sizes = {p.relative_to(ROOT.parent): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert sizes[Path("tenx/train/trainer.py")] <= 400
     assert not {str(p): n for p, n in sizes.items() if n > 600}
+
+
+def _subcommands(parser, path=("tenx",)):
+    """(path, parser) of every subcommand of `parser`, nested ones too, their deferred flags added."""
+    import argparse
+
+    parser.format_help()  # adds a subcommand's deferred flags and, for a group, its subcommands
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_subcommand_is_registered_by_the_one_helper():
+    """Every subcommand, nested ones too, comes from tenx.utils.cli.subcommand, which alone calls
+    `.add_parser(`; each is a deferring Parser (so building the CLI imports no component)."""
+    from tenx.cli import build_parser
+    from tenx.utils.cli import Parser
+
+    found = dict(_subcommands(build_parser()))
+    assert {("tenx", "data", "prepare"), ("tenx", "plan", "shapes"), ("tenx", "plan", "choose")} <= set(found)
+    assert len(found) >= 25
+    helped = {p for p, sub in found.items() if isinstance(sub, Parser) and sub.made_by_subcommand}
+    stray = sorted(" ".join(p) for p in set(found) - helped)
+    assert not stray, f"subcommands not registered with tenx.utils.cli.subcommand: {stray}"
+    callers = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_parser":
+                callers.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert callers == [c for c in callers if c.startswith("tenx/utils/cli.py:")] and len(callers) == 1, (
+        "register subcommands with tenx.utils.cli.subcommand, not add_parser:\n" + "\n".join(callers)
+    )
+
+
+def test_building_the_cli_imports_no_component():
+    """`tenx status` does not import torch for the flags of `tenx plan shapes` or `tenx train`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tenx.cli import build_parser; "
+        "args = build_parser().parse_args(['status', 'RUN']); "
+        "heavy = [m for m in ('torch', 'numpy', 'tenx.plan.shapes') if m in sys.modules]; "
+        "print(args.func.__module__, heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["tenx.monitor.cli", "[]"], out
+
+
+STEP_PATTERN = re.compile(r"(^|[/.^(\s])step_($|[*(\[\\{%])")
+"""The checkpoint directory's name as a regex, a glob or a format (step_(\\d{8}), step_*, step_{...})."""
+
+
+def test_only_rundir_spells_or_matches_the_step_directory_pattern():
+    """Others call rundir.step_of, step_dir_name or RunDir.checkpoint, or glob with rundir.STEP_GLOB."""
+    assert STEP_PATTERN.search(rundir.STEP_DIR.pattern) and STEP_PATTERN.search(f".{rundir.STEP_GLOB}.tmp-*")
+    assert not STEP_PATTERN.search("step_time_s") and not STEP_PATTERN.search("step_00000020")
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "rundir.py":
+            continue
+        where = path.relative_to(ROOT.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and STEP_PATTERN.search(node.value)
+            ):
+                found.append(f"{where}:{node.lineno} spells {node.value[:60]!r}")
+            name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+            if name in ("STEP_DIR", "_STEP_DIR"):
+                found.append(f"{where}:{node.lineno} matches rundir.STEP_DIR itself")
+    assert not found, "use tenx.rundir.step_of / step_dir_name / STEP_GLOB:\n" + "\n".join(found)
+
+
+JSONL_KEPT = {
+    "tenx/data/prepare/sources.py": "a user's corpus: streamed, its own error rules (see the comment there)",
+    "tenx/data/prepare/stream.py": "prepare's ids.txt: JSON strings, not objects, counted against rows.bin",
+    "tenx/data/prepare/engine.py": "the same ids.txt, read in step with rows.bin",
+}
+
+
+def _json_lines_read(tree: ast.AST) -> list[int]:
+    """Lines where json.loads parses a line of a file: the variable of a loop over a file's lines (an open
+    file, .splitlines(), .readlines(), .split("\\n")), or a .readline()."""
+    handles = {
+        item.optional_vars.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.With)
+        for item in node.items
+        if isinstance(item.optional_vars, ast.Name)
+    }
+
+    def file_lines(expr: ast.AST) -> bool:
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Name) and n.id in handles:
+                return True
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                if n.func.attr in ("splitlines", "readlines", "readline"):
+                    return True
+                if n.func.attr == "split" and any(
+                    isinstance(a, ast.Constant) and a.value in ("\n", b"\n") for a in n.args
+                ):
+                    return True
+        return False
+
+    def root(expr: ast.AST) -> str | None:
+        while isinstance(expr, (ast.Call, ast.Attribute, ast.Subscript)):
+            expr = expr.func if isinstance(expr, ast.Call) else expr.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    def is_loads(n: ast.AST) -> bool:
+        return (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "loads"
+            and getattr(n.func.value, "id", None) == "json"
+            and bool(n.args)
+        )
+
+    found = []
+    loops: list[tuple[ast.AST, ast.AST, list[ast.AST]]] = []  # (target, iterable, body)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            loops.append((node.target, node.iter, node.body))
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            loops += [(g.target, g.iter, parts) for g in node.generators]
+        elif is_loads(node) and file_lines(node.args[0]):
+            found.append(node.lineno)  # json.loads(f.readline())
+    for target, iterable, body in loops:
+        if not file_lines(iterable):
+            continue
+        names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        for stmt in body:
+            found += [n.lineno for n in ast.walk(stmt) if is_loads(n) and root(n.args[0]) in names]
+    return sorted(set(found))
+
+
+def test_one_jsonl_reader():
+    """JSON lines are read by tenx.utils.io (jsonl_records, read_jsonl, JsonlTail), with its one rule for
+    a line a crash cut short; elsewhere only where JSONL_KEPT says why."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        where = path.relative_to(ROOT.parent).as_posix()
+        if where == "tenx/utils/io.py" or where in JSONL_KEPT:
+            continue
+        found += [f"{where}:{line}" for line in _json_lines_read(ast.parse(path.read_text()))]
+    assert not found, "read JSON lines with tenx.utils.io.read_jsonl / jsonl_records:\n" + "\n".join(found)
+    kept = [w for w in JSONL_KEPT if _json_lines_read(ast.parse((ROOT.parent / w).read_text()))]
+    assert sorted(kept) == sorted(JSONL_KEPT), "JSONL_KEPT names a module that no longer reads JSON lines"
+    samples = [  # what the check finds (the readers it replaced)
+        "for line in path.read_text().splitlines():\n    rows.append(json.loads(line))",
+        "with open(p) as f:\n    rows = [json.loads(line.decode()) for i, line in enumerate(f)]",
+        "seq = json.loads(ids.readline())",
+    ]
+    assert [_json_lines_read(ast.parse(s)) for s in samples] == [[2], [2], [1]]

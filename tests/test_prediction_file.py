@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tenx.errors import TenxError
-from tenx.monitor.plots import plot_prediction
+from tenx.monitor.loss_plot import plot_prediction
 from tenx.monitor.prediction_file import FORMAT, VERSION, Prediction, read_prediction, write_prediction
 
 

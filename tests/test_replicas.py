@@ -23,10 +23,10 @@ import torch
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at info
 
-from tenx.cli import add_lighthouse_parser
 from tenx.errors import TenxError
 from tenx.eval.load import load_model
 from tenx.monitor.events import read_events
+from tenx.parallel import cli as lighthouse_cli
 from tenx.parallel.lighthouse import start_lighthouse
 from tenx.parallel.replicas import ReplicaConfig, Replicas, _fragments
 from tenx.utils.net import parse_bind
@@ -259,7 +259,7 @@ def test_lighthouse_command_serves_and_stops_on_sigterm(tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_lighthouse_parser(parser.add_subparsers(dest="command"))
+    lighthouse_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["lighthouse", "--bind", "127.0.0.1:0", "--heartbeat-timeout-ms", "700"])
     assert args.heartbeat_timeout_ms == 700 and args.min_groups == 1 and callable(args.func)
     with pytest.raises(SystemExit):

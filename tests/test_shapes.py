@@ -135,7 +135,7 @@ def test_repeat_below_two_is_refused() -> None:
 
 def test_cli_writes_json(tmp_path) -> None:
     parser = argparse.ArgumentParser()
-    shapes.add_parser(parser.add_subparsers())
+    shapes.register(parser.add_subparsers())
     out = tmp_path / "shapes.json"
     args = parser.parse_args(
         [

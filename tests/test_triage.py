@@ -19,7 +19,7 @@ from tenx.train.run import train
 from tenx.triage.bisect import bisect_step, run_repro
 from tenx.triage.classify import triage
 from tenx.triage.replay import replay
-from tenx.triage.store import list_incidents
+from tenx.triage.incident_store import list_incidents
 
 BASE = ("train.steps=12", "checkpoint.every=5", "train.eval_every=0", "train.threads=1")
 
@@ -174,15 +174,15 @@ def test_a_clean_run_has_no_incidents(clean, capsys):
 
 
 def test_differing_repeats_are_a_race(clean, monkeypatch):
-    import tenx.triage.replay as replay_module
+    import tenx.train.step as step_module  # replay runs the trainer's step function
 
-    real = replay_module.lm_loss
+    real = step_module.lm_loss
 
     def noisy(logits, targets, z_loss=0.0, dtype=torch.float32):  # a nondeterministic kernel
         loss, ce = real(logits, targets, z_loss, dtype)
         return loss + 1e-3 * torch.rand(()), ce + 1e-3 * torch.rand(())
 
-    monkeypatch.setattr(replay_module, "lm_loss", noisy)
+    monkeypatch.setattr(step_module, "lm_loss", noisy)
     assert replay(clean, 8, repeat=3).verdict == "differs-between-repeats"
 
 

@@ -15,7 +15,7 @@ from tenx.checkpoint.safe import (
     read_dcp_metadata,
 )
 from tenx.checkpoint.store import (
-    _STEP_DIR,
+    clean_interrupted_saves,
     latest_verified,
     list_checkpoints,
     load_checkpoint,
@@ -33,9 +33,9 @@ __all__ = [
     "AsyncCheckpointer",
     "SafeFileSystemReader",
     "TensorOnlyLoadPlanner",
-    "_STEP_DIR",
     "_SafeUnpickler",
     "_scan_pickle",
+    "clean_interrupted_saves",
     "latest_verified",
     "list_checkpoints",
     "load_checkpoint",

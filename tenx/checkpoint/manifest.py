@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import CheckpointError, UnsafeCheckpointError
-from tenx.rundir import STEP_DIR as _STEP_DIR
+from tenx.rundir import step_of
 from tenx.utils.io import bytes_xxhash
 
 FORMAT = "tenx-ckpt/1"
@@ -222,8 +222,8 @@ def validate_manifest(path: str | Path, meta: Any) -> dict[str, Any]:
         ) from None
     except UnsafeCheckpointError as e:
         raise UnsafeCheckpointError(f"checkpoint {path}: {MANIFEST} {e}; refusing to load it") from None
-    m = _STEP_DIR.match(path.name)
-    if m and int(m.group(1)) != meta["step"]:
+    named = step_of(path)
+    if named is not None and named != meta["step"]:
         raise CheckpointError(
             f"checkpoint {path}: {MANIFEST} says step {meta['step']}, its directory another"
         )

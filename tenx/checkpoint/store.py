@@ -57,9 +57,17 @@ from tenx.checkpoint.manifest import (
 )
 from tenx.checkpoint.safe import SafeFileSystemReader, TensorOnlyLoadPlanner, read_dcp_metadata
 from tenx.errors import CheckpointError, UnsafeCheckpointError
-from tenx.rundir import STEP_DIR as _STEP_DIR
-from tenx.rundir import step_dir_name
-from tenx.utils.io import LOW_SPACE, atomic_write_json, file_xxhash, free_bytes, fsync_dir, storage_error
+from tenx.rundir import STEP_GLOB, step_dir_name, step_of
+from tenx.utils.io import (
+    LOW_SPACE,
+    atomic_write_json,
+    file_xxhash,
+    free_bytes,
+    publish_dir,
+    recover_interrupted_publishes,
+    staging_dir,
+    storage_error,
+)
 
 # DCP warns that it saves/loads in a single process: that is intended here. Installed once rather than per
 # call with warnings.catch_warnings(), which swaps the process-wide filter list and is not thread-safe:
@@ -96,7 +104,7 @@ def save_checkpoint(
     root = Path(root)
     final = step_dir(root, step)
     distributed = process_group is not None
-    tmp = root / (f".{final.name}.tmp-dist" if distributed else f".{final.name}.tmp-{os.getpid()}")
+    tmp = staging_dir(final, "dist" if distributed else str(os.getpid()))
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -138,7 +146,8 @@ def _publish(
     meta: dict[str, Any],
     before_publish: Callable[[Path], None] | None,
 ) -> None:
-    """Hash the written files, write the manifest and rename the temporary directory into place."""
+    """Hash the written files, write the manifest and rename the temporary directory into place
+    (a re-save of the same step, after a resume, replaces the published one)."""
     files = {
         p.name: {"bytes": p.stat().st_size, "xxhash": file_xxhash(p)}
         for p in sorted(tmp.iterdir())
@@ -147,17 +156,8 @@ def _publish(
     manifest = {**meta, "format": FORMAT, "step": step, "files": files}
     manifest["manifest_xxhash"] = manifest_digest(manifest)
     atomic_write_json(tmp / MANIFEST, manifest)
-    fsync_dir(tmp)
-    if before_publish is not None:
-        before_publish(tmp)
-    if final.exists():  # a re-save of the same step (after a resume): replace it in two renames
-        old = root / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
+    hook = (lambda: before_publish(tmp)) if before_publish is not None else None
+    publish_dir(tmp, final, sync_files=False, before_rename=hook)  # DCP and the manifest synced their files
 
 
 def read_checkpoint_meta(path: str | Path, require: Iterable[str] = ()) -> dict[str, Any]:
@@ -257,17 +257,20 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in root.iterdir() if (step := step_of(p)) is not None and p.is_dir()]
     return sorted(found)
 
 
-def latest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and a note for each newer one that did not.
+def latest_verified(root: str | Path, before_step: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies (of a step below `before_step`, when given), and a note for each
+    newer one that did not.
 
     A damaged checkpoint is skipped (an older one is used); an unsafe one raises UnsafeCheckpointError.
     """
     skipped: list[str] = []
-    for _, path in reversed(list_checkpoints(root)):
+    for step, path in reversed(list_checkpoints(root)):
+        if before_step is not None and step >= before_step:
+            continue
         try:
             verify_checkpoint(path)
             return path, skipped
@@ -290,13 +293,14 @@ def prune_checkpoints(
     kept ones are verified newest first and the search stops at the first that verifies: in the normal
     case that hashes one checkpoint.
 
-    Leftovers of interrupted saves go first: `.step_N.tmp-*` directories are deleted, and a `.step_N.old-*`
-    (a re-save of step N killed between its two renames) is renamed back to step_N when that is missing.
+    Leftovers of interrupted saves go first (clean_interrupted_saves): `.step_N.tmp-*` directories are
+    deleted, and a `.step_N.old-*` (a re-save of step N killed between its two renames) is renamed back to
+    step_N when that is missing.
     Any process's leftovers qualify, so pruning must not run while a save into `root` is in flight:
     AsyncCheckpointer prunes in its writer thread after the save it just completed.
     """
     root = Path(root)
-    _clean_interrupted_saves(root)
+    clean_interrupted_saves(root)
     found = list_checkpoints(root)
     if keep_last <= 0:
         return []
@@ -325,12 +329,7 @@ def _verifies(path: Path) -> bool:
         return False
 
 
-def _clean_interrupted_saves(root: Path) -> None:
-    for stale in root.glob(".step_*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    for old in root.glob(".step_*.old-*"):
-        final = root / old.name[1:].split(".old-")[0]
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(old, final)
+def clean_interrupted_saves(root: str | Path) -> None:
+    """Delete the temporary directories of interrupted saves under `root`, and put back a checkpoint whose
+    re-save was killed between its two renames (no save into `root` may be in flight)."""
+    recover_interrupted_publishes(root, STEP_GLOB)

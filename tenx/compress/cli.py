@@ -1,5 +1,4 @@
-"""The compression subcommands (`tenx compress`, `tenx decompress`): their flags and what they run
-(registered by tenx/cli.py, as tenx/triage/cli.py registers its own)."""
+"""The compression subcommands (`tenx compress`, `tenx decompress`): their flags and what they run."""
 
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ def _decompress_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_compress_parsers(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     """Register `tenx compress` and `tenx decompress` on the CLI's subparsers."""
     about = "compress a file losslessly with a run's model (range coding of its next-token probabilities)"
     subcommand(subparsers, "compress", about, cmd_compress, _compress_arguments)

@@ -53,6 +53,7 @@ from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.load import LoadedModel, load_model
 from tenx.model.transformer import Block, Transformer, apply_rope
+from tenx.rundir import step_dir_name
 from tenx.utils.io import atomic_write_bytes, file_xxhash
 
 MAGIC = b"TENX"
@@ -443,7 +444,7 @@ def decompress_bytes(
             f"(step {header.step}) and tokenizer xxhash {header.tokenizer_hash.hex()}; {codec.checkpoint} has "
             f"{model_hash.hex()} (step {codec.step}) and tokenizer {tokenizer_hash.hex()}. "
             "Decompress with the checkpoint that compressed it (its directory: RUN_DIR/checkpoints/"
-            f"step_{header.step:08d})"
+            f"{step_dir_name(header.step)})"
         )
     if header.stored:
         data: bytes | None = blob[HEADER_BYTES:]

@@ -1,4 +1,5 @@
-"""`tenx eval`: its flags, its printout, and the comparison of several runs on the same data."""
+"""`tenx eval` and `tenx sample`: their flags and what they run; eval's printout and the comparison of
+several runs on the same data."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     """Evaluate each run on each dataset; print each, then a comparison when there are several runs."""
-    from tenx.eval.run import evaluate
+    from tenx.eval.evaluate import evaluate
 
     if args.out and len(args.targets) > 1:
         raise TenxError("--out names one eval.json: give it with one run (each run keeps its own eval.json)")
@@ -155,6 +156,45 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
     ep.add_argument("--breakdown", action="store_true", help="figures per directory and per file type")
 
 
-def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx eval` on the CLI's subparsers."""
-    return subcommand(subparsers, "eval", "bits per byte on held-out data", cmd_eval, _eval_arguments)
+def cmd_sample(args: argparse.Namespace) -> None:
+    """Print a continuation of the prompt by a run's model."""
+    from tenx.data.tokenizer import load_tokenizer
+    from tenx.eval.load import load_model
+    from tenx.eval.sample import check_sampling, generate
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
+    loaded = load_model(args.target, args.device)
+    tokenizer = load_tokenizer(loaded.data_dir)
+    prompt = tokenizer.encode(args.prompt) if args.prompt else []
+    prompt = [tokenizer.eot_id] + prompt
+    new = generate(
+        loaded.model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop_id=tokenizer.eot_id,
+        vocab_size=tokenizer.vocab_size,
+        seed=args.seed,
+    )
+    print(args.prompt + tokenizer.decode(new))
+
+
+def _sample_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("target", help="run directory or checkpoint directory")
+    sp.add_argument("--prompt", default="", help="text to continue")
+    sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, >= 0 (default 200)")
+    sp.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature, >= 0; 0 is greedy (default 0.8)"
+    )
+    sp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
+    sp.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    sp.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Register `tenx eval` and `tenx sample` on the CLI's subparsers."""
+    subcommand(subparsers, "eval", "bits per byte on held-out data", cmd_eval, _eval_arguments)
+    subcommand(subparsers, "sample", "print a continuation of a prompt", cmd_sample, _sample_arguments)

@@ -41,12 +41,12 @@ class LoadedModel:
 def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
     """(checkpoint dir, run dir or None) for a run directory (newest verified checkpoint) or a checkpoint."""
     target = Path(target)
-    if (target / ckpt.MANIFEST).exists() or ckpt._STEP_DIR.match(target.name):
+    if (target / ckpt.MANIFEST).exists() or rundir.step_of(target) is not None:
         run_dir = target.parent.parent if target.parent.name == rundir.CHECKPOINTS else None
         return target, run_dir
     if not target.exists():
         raise CheckpointError(f"{target} does not exist; give a run directory or a checkpoint directory")
-    path, skipped = ckpt.latest_verified(target / rundir.CHECKPOINTS)
+    path, skipped = ckpt.latest_verified(rundir.RunDir(target).checkpoints)
     if path is None:
         detail = f" ({'; '.join(skipped)})" if skipped else ""
         raise CheckpointError(f"run directory {target} has no checkpoint that verifies{detail}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any, cast
@@ -36,7 +35,7 @@ from tenx.errors import ConfigError, DataError, TenxError
 from tenx.eval.load import load_model, resolve_checkpoint
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Block, Transformer
-from tenx.utils.io import FILE_MODE, atomic_write_json, fsync_dir
+from tenx.utils.io import FILE_MODE, atomic_write_json, publish_dir, staging_dir
 
 MARKER = "tenx_export.json"
 """The file that marks a directory as a tenx export (and so safe to replace with a newer one)."""
@@ -132,7 +131,7 @@ def export_hf(target: str | Path, out: str | Path, checkpoint: str | Path | None
 
     hf_config = _hf_config(transformers, arch, cfg, eot_id)
     state = hf_state_dict(model, arch)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = staging_dir(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -333,7 +332,7 @@ def _pick_checkpoint(target: str | Path, checkpoint: str | Path | None) -> tuple
     if checkpoint is None:
         return resolve_checkpoint(target)
     chosen = Path(checkpoint)
-    inside = Path(target) / rundir.CHECKPOINTS / chosen
+    inside = rundir.RunDir(target).checkpoints / chosen
     if not chosen.exists() and not chosen.is_absolute() and inside.exists():
         chosen = inside
     if not chosen.is_dir():
@@ -554,23 +553,17 @@ def _patch_config_json(directory: Path) -> None:
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished export `tmp` to `out`, replacing an empty directory or a previous export."""
-    for p in tmp.iterdir():  # the files are complete on disk before the directory is renamed
+    for p in tmp.iterdir():
         os.chmod(p, FILE_MODE)  # as a plain open() would create them (some are written 0600)
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)
-    if check_output_dir(out) is None:  # still free? (raises if someone wrote into it meanwhile)
-        try:
-            os.replace(tmp, out)  # onto a missing or empty directory
-        except OSError as e:
-            raise TenxError(f"cannot create {out}: {e}; choose a new or empty directory with -o") from None
-    else:
-        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            os.replace(old, out)  # put the previous export back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(out.parent)
+    free = True
+
+    def still_ours() -> None:  # still free, or a previous export? (raises if someone wrote into it meanwhile)
+        nonlocal free
+        free = check_output_dir(out) is None
+
+    try:
+        publish_dir(tmp, out, before_rename=still_ours)
+    except OSError as e:
+        if not free:
+            raise  # the previous export was put back
+        raise TenxError(f"cannot create {out}: {e}; choose a new or empty directory with -o") from None

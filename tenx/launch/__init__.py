@@ -1,1 +1,2 @@
-"""Launching runs: the supervisor that restarts them, and its warm spare worker."""
+"""Launching runs: `tenx train` and `tenx quickstart` (cli.py), the supervisor that restarts runs, and its
+warm spare worker."""

@@ -15,7 +15,8 @@ it triggers): before the next attempt the data of that step is skipped (RUN_DIR/
 
 Restarts are limited: at most `max_restarts` in all, and the supervisor gives up when the same failure
 (same exit status at the same step) happens `same_failure_limit` times in a row. Attempts that made no
-progress wait `backoff_s`, doubling up to a minute, before the next start.
+progress wait `backoff_s`, doubling up to a minute, before the next start. These options are the
+`[supervisor]` section, SupervisorConfig (its fields are `tenx train`'s supervisor flags).
 
 A warm spare cuts restart time: while the child trains, the next interpreter is already started with
 torch and tenx imported and waits on its stdin for its arguments (single-process runs only). The
@@ -28,15 +29,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from tenx import rundir
+from tenx import config as cfglib
 from tenx.monitor.events import EventLog, read_events
 from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.rundir import RunDir
@@ -45,6 +47,45 @@ from tenx.utils.io import atomic_write_json
 
 EXIT_USAGE = 2
 """Exit status of a run that stopped with an error restarting cannot fix."""
+
+
+@dataclass
+class SupervisorConfig:
+    """How the supervisor restarts a run: `tenx train --supervise`'s options."""
+
+    SECTION: ClassVar[str] = "supervisor"
+    """Where its fields sit in the config tree (errors name `supervisor.FIELD`)."""
+
+    max_restarts: int = cfglib.field(10, ge=0, help="with --supervise: restarts before giving up")
+    same_failure_limit: int = cfglib.field(
+        3,
+        ge=1,
+        help="with --supervise: give up when the same failure repeats this many times at the same step",
+    )
+    backoff_s: float = cfglib.field(
+        1.0,
+        ge=0,
+        help="with --supervise: seconds before restarting an attempt "
+        "that made no progress (doubles each time, up to 60)",
+    )
+    heartbeat_timeout_s: float = cfglib.field(
+        0.0,
+        ge=0,
+        help="with --supervise: kill a child whose ledger has not grown for this many seconds (0: off; "
+        "the in-process watchdog, [watchdog] timeout_s, is on by default)",
+    )
+    launcher: str = cfglib.field(
+        "",
+        help="with --supervise: the command that runs `tenx` (default `python -m tenx`), e.g. "
+        "'torchrun --nproc_per_node 2 -m tenx' to restart a whole multi-process job",
+    )
+    warm_spare: bool = cfglib.field(
+        True, help="keep the next interpreter started, torch imported (default launcher only)"
+    )
+
+    def validate(self) -> None:
+        """Check bounds; names the offending field."""
+        cfglib.check_bounds(self)
 
 
 def describe_exit(returncode: int) -> str:
@@ -146,27 +187,26 @@ class _Spares:
 def supervise(
     train_args: list[str],
     run_dir: str | Path,
+    cfg: SupervisorConfig | None = None,
     *,
     resume: str | None = None,
-    max_restarts: int = 10,
-    same_failure_limit: int = 3,
-    backoff_s: float = 1.0,
-    heartbeat_timeout_s: float = 0.0,
-    launcher: list[str] | None = None,
-    warm_spare: bool = True,
     env: dict[str, str] | None = None,
 ) -> SupervisorReport:
     """Run `tenx <train_args>` until it finishes, restarting it with `--resume auto` after failures.
 
     `train_args` start with `train` and must not contain `--resume` (give `resume` for the first start).
-    `launcher` replaces `python -m tenx` (e.g. `torchrun --nproc_per_node 2 -m tenx`); a warm spare is
+    `cfg.launcher` replaces `python -m tenx` (e.g. `torchrun --nproc_per_node 2 -m tenx`); a warm spare is
     used only with the default launcher.
     """
+    cfg = cfg or SupervisorConfig()
+    cfg.validate()
+    max_restarts, same_failure_limit = cfg.max_restarts, cfg.same_failure_limit
+    launcher = shlex.split(cfg.launcher) or None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events, ledger = EventLog(run_dir), Ledger(run_dir)
     prefix = launcher or [sys.executable, "-m", "tenx"]
-    spares = _Spares(warm_spare and launcher is None, env)
+    spares = _Spares(cfg.warm_spare and launcher is None, env)
     report = SupervisorReport()
     t0 = time.monotonic()
     stop_signal: list[int] = []
@@ -194,7 +234,7 @@ def supervise(
             if child is None:
                 child = subprocess.Popen([*prefix, *args], env=env)
             spares.warm()
-            returncode = _wait(child, run_dir, heartbeat_timeout_s, events, attempt)
+            returncode = _wait(child, run_dir, cfg.heartbeat_timeout_s, events, attempt)
             reason = describe_exit(returncode)
             ledger.exit(attempt, returncode, reason)
             start_step, last_step = _steps_of(run_dir, attempt)
@@ -228,7 +268,7 @@ def supervise(
                 break
             progressed = last_step is not None and (start_step is None or last_step > start_step)
             no_progress = 0 if progressed else no_progress + 1
-            delay = min(60.0, backoff_s * 2 ** (no_progress - 1)) if no_progress else 0.0
+            delay = min(60.0, cfg.backoff_s * 2 ** (no_progress - 1)) if no_progress else 0.0
             events.emit(
                 "restart", last_step, attempt=attempt + 1, returncode=returncode, reason=reason, delay_s=delay
             )
@@ -300,7 +340,7 @@ def _wait(
     """Wait for the child; kill it when the ledger (written every step) goes stale for too long."""
     if heartbeat_timeout_s <= 0:
         return child.wait()
-    ledger = run_dir / rundir.LEDGER
+    ledger = RunDir(run_dir).ledger
     last_seen = time.monotonic()
     last_mtime = ledger.stat().st_mtime if ledger.exists() else 0.0
     while True:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from tenx.config import check_bounds, field
 from tenx.errors import ConfigError
@@ -35,6 +35,9 @@ def round_up(x: int, multiple: int = MULTIPLE) -> int:
 @dataclass
 class ModelConfig:
     """A decoder-only transformer. Unset (None) fields take the family's or the derived value."""
+
+    SECTION: ClassVar[str] = "model"
+    """Where its fields sit in the config tree (errors name `model.FIELD`)."""
 
     family: Literal["gpt2", "llama"] = field("gpt2", help="named family supplying component defaults")
     depth: int = field(4, ge=1, help="number of transformer blocks; also sets the width")
@@ -65,7 +68,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Check bounds and divisibility; names the offending field."""
-        check_bounds(self, "model")
+        check_bounds(self)
         if self.init_std < 0:  # torch's normal_ refuses a negative standard deviation
             raise ConfigError(f"model.init_std: must be >= 0 (a standard deviation), got {self.init_std}")
         if self.head_dim < 2 or self.head_dim % 2:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenx import config as cfglib
 from tenx.config import field
 
 
@@ -48,7 +47,3 @@ class MonitorConfig:
         lt=1,
         help="tokens/s falling by this fraction below its running median over trend_window steps is an event",
     )
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        cfglib.check_bounds(self, "monitor")

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
-from tenx.utils.io import fsync_dir
-
-EVENTS_FILE = rundir.EVENTS
+from tenx.utils.io import fsync_dir, read_jsonl
 
 
 def _plain(value: Any) -> Any:
@@ -81,28 +79,11 @@ def ends_mid_line(path: Path) -> bool:
         return False
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file; unparsable lines (a torn write) are skipped, a missing file is []."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 class EventLog:
     """Appends events to RUN_DIR/events.jsonl; any number of processes may append, one event at a time."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / EVENTS_FILE
+        self.path = rundir.RunDir(run_dir).events
 
     def emit(self, kind: str, step: int | None = None, **fields: Any) -> dict[str, Any]:
         """Write one event (fsynced before returning) and return it as written."""
@@ -115,4 +96,4 @@ class EventLog:
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     """All events of a run, oldest first ([] when there are none; a torn line is ignored)."""
-    return read_jsonl(Path(run_dir) / EVENTS_FILE)
+    return read_jsonl(rundir.RunDir(run_dir).events, torn="any", missing_ok=True)

@@ -37,7 +37,8 @@ from typing import Any, TextIO
 
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.monitor.events import ends_mid_line, json_line, read_events, read_jsonl
+from tenx.monitor.events import ends_mid_line, json_line, read_events
+from tenx.utils.io import read_jsonl
 
 LEDGER_FILE = rundir.LEDGER
 _STEP_FIELD = {"step": "step", "rollback": "to_step"}  # records that are meaningless without this integer
@@ -79,7 +80,7 @@ class Ledger:
     """
 
     def __init__(self, run_dir: str | Path, pid: int | None = None) -> None:
-        self.path = Path(run_dir) / LEDGER_FILE
+        self.path = rundir.RunDir(run_dir).ledger
         self.pid = pid
         self._file: TextIO | None = None
 
@@ -143,7 +144,7 @@ class Ledger:
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     """The ledger's records in file order; torn or malformed lines are skipped, a missing ledger is []."""
     records = []
-    for record in read_jsonl(Path(run_dir) / LEDGER_FILE):
+    for record in read_jsonl(rundir.RunDir(run_dir).ledger, torn="any", missing_ok=True):
         kind = record.get("kind")
         if not isinstance(kind, str) or not isinstance(record.get("time"), (int, float)):
             continue
@@ -443,7 +444,7 @@ def _event_line(event: dict[str, Any]) -> str:
 def _prequential_lines(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
     """The training stream's prequential bits per byte: prequential.json at the end, else the running figure."""
     try:
-        done = json.loads((run_dir / rundir.PREQUENTIAL).read_text())
+        done = json.loads(rundir.RunDir(run_dir).prequential.read_text())
     except (OSError, ValueError):
         done = None
     if isinstance(done, dict) and isinstance(done.get("bits_per_byte"), (int, float)):
@@ -466,19 +467,20 @@ def _prequential_lines(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str
 def format_status(run_dir: str | Path) -> str:
     """`tenx status RUN_DIR`: progress, newest verified checkpoint, last metrics, goodput and events."""
     run_dir = Path(run_dir)
+    run = rundir.RunDir(run_dir)
     if not run_dir.is_dir():
         raise TenxError(f"run directory {run_dir} does not exist (pass the --run-dir of a `tenx train` run)")
     from tenx.checkpoint import latest_verified, list_checkpoints
 
     report = compute_goodput(run_dir)
     metrics: list[dict[str, Any]] = []
-    if (run_dir / rundir.METRICS).is_file():
+    if run.metrics.is_file():
         from tenx.monitor.metrics_file import read_metrics
 
-        metrics = read_metrics(run_dir / rundir.METRICS)
+        metrics = read_metrics(run.metrics)
     total = None
     try:
-        total = json.loads((run_dir / rundir.PROVENANCE).read_text()).get("total_steps")
+        total = json.loads(run.provenance.read_text()).get("total_steps")
     except (OSError, ValueError, AttributeError):
         pass
 
@@ -499,8 +501,8 @@ def format_status(run_dir: str | Path) -> str:
             progress += ", finished"
     lines.append(f"progress    {progress}")
 
-    checkpoints = list_checkpoints(run_dir / rundir.CHECKPOINTS)
-    latest, skipped = latest_verified(run_dir / rundir.CHECKPOINTS)
+    checkpoints = list_checkpoints(run.checkpoints)
+    latest, skipped = latest_verified(run.checkpoints)
     if latest is not None:
         lines.append(f"checkpoint  {latest.name} verifies ({len(checkpoints)} on disk)")
     else:

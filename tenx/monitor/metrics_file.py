@@ -3,18 +3,13 @@ in tenx/train/callbacks/metrics.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from tenx.utils.io import read_jsonl
+
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file (a torn last line from a crash is ignored)."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                break
-    return records
+    """All records of a metrics.jsonl file (a torn last line from a crash is ignored, a damaged line is a
+    DataError naming it)."""
+    return read_jsonl(path)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from tenx.config import check_bounds, field
+from tenx.config import field
 from tenx.errors import TenxError
 from tenx.utils.tensors import local_tensor
 
@@ -54,10 +54,6 @@ class ConsistencyConfig:
         help="'warn': record the event and train on (you decide: roll back, replace the host); "
         "'stop': raise an error naming the replica",
     )
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        check_bounds(self, "parallel.consistency")
 
 
 # ----- the checksum ----------------------------------------------------------------------------------

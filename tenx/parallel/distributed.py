@@ -21,13 +21,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tenx.config import check_bounds, field
+from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.parallel.consistency import ConsistencyConfig
 from tenx.parallel.replicas import ReplicaConfig
@@ -66,10 +66,6 @@ class ParallelConfig:
     replicas: ReplicaConfig = field(
         default_factory=ReplicaConfig, help="replica groups across clusters (torchft)"
     )
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        check_bounds(self, "parallel")
 
 
 @dataclass(frozen=True)
@@ -152,6 +148,8 @@ def rank_device(device: torch.device, env: DistEnv) -> torch.device:
     """One GPU per local rank: `cuda` becomes `cuda:LOCAL_RANK` in a multi-process job."""
     if device.type == "cuda" and env.world_size > 1 and device.index is None:
         device = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    if device.type == "cuda" and device.index is None:  # one process: the current GPU, named by its index
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
@@ -214,3 +212,30 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective over its mesh), or `t` itself."""
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def broadcast_int(value: int, world_size: int, group: dist.ProcessGroup | None = None) -> int:
+    """Rank 0's `value` on every rank of `group` (a CPU tensor: the group may be gloo's)."""
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=0, group=group)
+    return int(t.item())
+
+
+def max_int(value: int, world_size: int, device: torch.device, group: dist.ProcessGroup | None = None) -> int:
+    """The largest `value` of any rank, on every rank (a tensor on `device`, the backend's)."""
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def broadcast_object(obj: Any, world_size: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's `obj` (picklable; only rank 0's is read) on every rank of `group`."""
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

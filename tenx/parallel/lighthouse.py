@@ -12,7 +12,7 @@ import dataclasses
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tenx.config import check_bounds, field
 from tenx.errors import TenxError
@@ -22,6 +22,9 @@ from tenx.utils.net import WILDCARD_HOSTS, parse_bind, url_host
 @dataclass
 class LighthouseConfig:
     """How the lighthouse forms quorums (the options of `tenx lighthouse`)."""
+
+    SECTION: ClassVar[str] = "lighthouse"
+    """Where its fields sit in the config tree (errors name `lighthouse.FIELD`)."""
 
     min_groups: int = field(1, ge=1, help="fewest groups that form a quorum")
     join_timeout_ms: int = field(
@@ -48,7 +51,7 @@ def start_lighthouse(bind: str, **options: int) -> tuple[Any, str]:
 
     host, _ = parse_bind(bind, "lighthouse --bind", "127.0.0.1:29510")
     cfg = LighthouseConfig(**options)
-    check_bounds(cfg, "lighthouse")
+    check_bounds(cfg)
     try:
         server = LighthouseServer(
             bind=bind,

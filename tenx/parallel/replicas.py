@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tenx.config import check_bounds, field
+from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.parallel.outer import resolve_outer
 from tenx.parallel.peer_transport import TensorTransport, read_secret, url_host
@@ -116,8 +116,7 @@ class ReplicaConfig:
     )
 
     def validate(self) -> None:
-        """Check bounds, the group id and sizes against `groups`, fragments and the host; names the field."""
-        check_bounds(self, "parallel.replicas")
+        """Check the group id and sizes against `groups`, fragments and the host; names the field."""
         check_pseudo_grad(self.pseudo_grad_dtype, self.mode, self.groups)
         if not 0 <= self.group_id < self.groups:
             raise ConfigError(

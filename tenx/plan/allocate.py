@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import ConfigError
+from tenx.utils.cli import add_set, subcommand
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 SPAN = 8.0
@@ -159,11 +160,15 @@ def format_choices(result: dict[str, Any], top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
-    """Register `tenx plan choose`."""
-    p = sub.add_parser("choose", help="rank (N, D, parallelism) for a compute budget by predicted loss")
+def register(plan_subparsers: Any) -> None:
+    """Register `tenx plan choose` on the `plan` subcommand's subparsers."""
+    about = "rank (N, D, parallelism) for a compute budget by predicted loss"
+    subcommand(plan_subparsers, "choose", about, cmd_choose, _choose_arguments)
+
+
+def _choose_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    add_set(p, "config override")
     p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
     p.add_argument("--fit", required=True, help="a `tenx fit` report (JSON) of an L(N, D) law")
     p.add_argument("--budget", required=True, type=float, help="training compute, FLOPs (e.g. 1e21)")
@@ -171,10 +176,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's data, else 50257)")
     p.add_argument("--top", type=int, default=12, help="rows to print")
     p.add_argument("--json", help="also write every choice as JSON here")
-    p.set_defaults(func=cmd_choose)
 
 
 def cmd_choose(args: argparse.Namespace) -> None:
+    """`tenx plan choose`: the choices for the budget, best first (and every one as JSON with --json)."""
     from tenx.plan.estimate import load_cluster, vocab_of
     from tenx.train.config import load_run_config, resolve_config_path
     from tenx.utils.io import atomic_write_json

@@ -25,6 +25,7 @@ from typing import Any
 
 from tenx.plan.estimate import GB, Cluster, estimate
 from tenx.rundir import RunDir
+from tenx.utils.io import read_jsonl
 
 
 def _rss() -> int:
@@ -46,12 +47,8 @@ def _worker(config: str, overrides: list[str], run_dir: str) -> None:
     run_module.train(cfg, run_dir)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     rank = int(os.environ.get("RANK", "0"))
-    times = []
-    if rank == 0:
-        for line in RunDir(run_dir).metrics.read_text().splitlines():
-            record = json.loads(line)
-            if "step_time_s" in record:
-                times.append(record["step_time_s"])
+    metrics = read_jsonl(RunDir(run_dir).metrics) if rank == 0 else []
+    times = [r["step_time_s"] for r in metrics if "step_time_s" in r]
     print(
         "TENX_MEASURE "
         + json.dumps({"rank": rank, "peak_rss": peak, "baseline_rss": baseline, "step_times": times})

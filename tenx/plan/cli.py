@@ -1,7 +1,8 @@
 """`tenx plan`: co-design a run before it starts (memory, time, communication, shapes, failures).
 
-`tenx plan --config CFG --cluster CLUSTER` estimates a run; its subcommands each come from the module that
-implements them (`shapes`: tenx/plan/shapes.py, `failures`: tenx/plan/failsim.py)."""
+`tenx plan --config CFG --cluster CLUSTER` estimates a run; each of its subcommands is registered by the
+module that implements it (`shapes`: tenx/plan/shapes.py, `failures`: tenx/plan/failsim.py, `choose`:
+tenx/plan/allocate.py), imported only when `tenx plan` is used."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from tenx.utils.cli import add_set, subcommand
 
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+
+def register(subparsers: Any) -> None:
     """Register `tenx plan` and its subcommands on the CLI's subparsers."""
+    about = "co-design a run: memory, time, communication, GEMM shapes, failures at scale"
+    subcommand(subparsers, "plan", about, cmd_plan, _plan_arguments)
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from tenx.plan import allocate, failsim, shapes
 
-    parser = subparsers.add_parser(
-        "plan", help="co-design a run: memory, time, communication, GEMM shapes, failures at scale"
-    )
     parser.add_argument("--config", help="the run config (a .toml path or a shipped name)")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override"
-    )
+    add_set(parser, "config override")
     parser.add_argument(
         "--cluster", help="a cluster file or a shipped one (configs/clusters/: cpu, h100-node, ...)"
     )
@@ -53,11 +56,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", help="also write the plan as JSON here")
     sub = parser.add_subparsers(dest="plan_command")
-    shapes.add_parser(sub)
-    failsim.add_parser(sub)
-    allocate.add_parser(sub)
-    parser.set_defaults(func=cmd_plan)
-    return parser
+    shapes.register(sub)
+    failsim.register(sub)
+    allocate.register(sub)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

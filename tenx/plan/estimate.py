@@ -72,9 +72,6 @@ class NodeSpec:
         450.0, gt=0, help="accelerator-to-accelerator bandwidth inside a node, GB/s"
     )
 
-    def validate(self) -> None:
-        cfglib.check_bounds(self, "node")
-
 
 @dataclass
 class ClusterSpec:
@@ -105,9 +102,6 @@ class ClusterSpec:
     communicator_gb: float = field(
         0.0, ge=0, help="memory the process group's communicator adds per rank when ranks > 1 (buffers), GB"
     )
-
-    def validate(self) -> None:
-        cfglib.check_bounds(self, "cluster")
 
 
 @dataclass

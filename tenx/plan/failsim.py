@@ -42,6 +42,7 @@ from scipy.optimize import brentq
 
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
+from tenx.utils.cli import subcommand
 
 LLAMA3_GPUS = 16_384
 LLAMA3_DAYS = 54.0
@@ -370,9 +371,13 @@ def sync_below_half_gpus(save_cost_s: float, restart_s: float, detect_s: float) 
     return float(10 ** brentq(f, 0.0, 9.0))
 
 
-def add_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx plan failures`."""
-    p = plan_subparsers.add_parser("failures", help="failures at scale: MTBF, checkpoint interval, goodput")
+def register(plan_subparsers: Any) -> None:
+    """Register `tenx plan failures` on the `plan` subcommand's subparsers."""
+    about = "failures at scale: MTBF, checkpoint interval, goodput"
+    subcommand(plan_subparsers, "failures", about, cmd_failures, _failures_arguments)
+
+
+def _failures_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="1e3,1e4,1e5,1e6,1e7", help="comma-separated accelerator counts")
     p.add_argument("--save-cost-s", type=float, default=60.0, help="seconds a checkpoint save stalls the job")
     p.add_argument("--restart-s", type=float, default=600.0, help="seconds to restart (or heal a group)")
@@ -385,8 +390,6 @@ def add_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-sim", action="store_true", help="closed forms only")
     p.add_argument("--json", help="write one row per accelerator count here")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulation (default 0)")
-    p.set_defaults(func=cmd_failures)
-    return p
 
 
 def cmd_failures(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from tenx.errors import ConfigError, TenxError
 from tenx.hardware import pick_device, resolve_precision
 from tenx.model.config import ModelConfig, round_up
 from tenx.model.flops import count_params
+from tenx.utils.cli import subcommand
 
 DEFAULT_VOCAB = 50257
 """GPT-2's vocabulary: used when neither the data nor the config names one."""
@@ -369,9 +370,13 @@ def cmd_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
+def register(plan_subparsers: Any) -> None:
     """Register `tenx plan shapes` on the `plan` subcommand's subparsers."""
-    p = plan_subparsers.add_parser("shapes", help="measure the run's GEMM shapes and nearby faster ones")
+    about = "measure the run's GEMM shapes and nearby faster ones"
+    subcommand(plan_subparsers, "shapes", about, cmd_shapes, _shapes_arguments)
+
+
+def _shapes_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="run config: a .toml path or a shipped name")
     p.add_argument("--set", action="append", default=[], metavar="K=V", help="override a config field")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -383,5 +388,3 @@ def add_parser(plan_subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
-    p.set_defaults(func=cmd_shapes)
-    return p

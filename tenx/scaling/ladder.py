@@ -2,7 +2,7 @@
 
 A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs: the planning rules
 (grids, shapes, hyperparameters by size) are tenx/scaling/rungs.py's, the cluster launch scripts
-tenx/scaling/launch.py's. Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is
+tenx/scaling/ladder_scripts.py's. Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is
 in results.jsonl is skipped; a run with checkpoints resumes from the newest verified one; a finished run is
 only evaluated.
 """
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.scaling.launch import emit_launch
+from tenx.scaling.ladder_scripts import emit_launch
 from tenx.scaling.rungs import (
     DEFAULT_BUDGETS,
     BudgetCheck,
@@ -37,7 +37,7 @@ from tenx.scaling.rungs import (
     vocab_size_of,
 )
 from tenx.train.config import RunConfig, load_run_config
-from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir
+from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir, read_jsonl
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -118,18 +118,7 @@ def config_key(cfg: RunConfig) -> str:
 
 def read_results(ladder_dir: str | Path) -> list[dict[str, Any]]:
     """The rows of LADDER_DIR/results.jsonl (empty when there is none); a bad line is a clear error."""
-    path = Path(ladder_dir) / "results.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise TenxError(f"{path}:{i}: not JSON ({e}); fix or delete that line and rerun") from None
-    return rows
+    return read_jsonl(Path(ladder_dir) / "results.jsonl", missing_ok=True)
 
 
 def append_result(ladder_dir: str | Path, row: dict[str, Any]) -> None:
@@ -179,7 +168,7 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
 def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[str, Any]:
     """Train (or resume, or reuse) one planned run, evaluate it and record its row in results.jsonl."""
     from tenx import checkpoint as ckpt
-    from tenx.monitor.plots import plot_loss_curve
+    from tenx.monitor.loss_plot import plot_loss_curve
     from tenx.train.run import train
 
     ladder_dir = Path(ladder_dir)
@@ -188,8 +177,9 @@ def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[s
         if row.get("key") == key:
             return {**row, "reused": True}
     run_dir = ladder_dir / "runs" / run.name
+    rd = rundir.RunDir(run_dir)
     text = cfglib.dumps_toml(run.config)
-    config_path = run_dir / rundir.CONFIG
+    config_path = rd.config
     if config_path.exists() and config_path.read_text() != text:
         if config_key(load_run_config(config_path)) != key:
             raise TenxError(
@@ -197,18 +187,18 @@ def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[s
                 "changed); delete that directory or use another ladder directory"
             )
     t0 = time.perf_counter()
-    latest, _ = ckpt.latest_verified(run_dir / rundir.CHECKPOINTS)
+    latest, _ = ckpt.latest_verified(rd.checkpoints)
     trained = latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= run.steps
     if not trained:
-        resume = "auto" if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS) else None
+        resume = "auto" if ckpt.list_checkpoints(rd.checkpoints) else None
         if resume is None and run_dir.exists():
             shutil.rmtree(run_dir)  # a run that crashed before its first checkpoint starts over cleanly
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(config_path, text)
         train(run.config, run_dir, resume=resume)
     train_s = time.perf_counter() - t0
-    metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()]
-    plot_loss_curve(run_dir / rundir.METRICS, run_dir / rundir.LOSS_CURVE, run.name)
+    metrics = read_jsonl(rd.metrics)
+    plot_loss_curve(rd.metrics, rd.loss_curve, run.name)
     t1 = time.perf_counter()
     ev = evaluate_run(run_dir, lc.eval_bytes)
     eval_s = time.perf_counter() - t1

@@ -17,7 +17,7 @@ from typing import Any
 from tenx import rundir
 from tenx.errors import ConfigError, TenxError
 from tenx.model.flops import count_params
-from tenx.monitor.plots import plot_prediction
+from tenx.monitor.loss_plot import plot_prediction
 from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.scaling.curve import (
     DEFAULT_LAW,

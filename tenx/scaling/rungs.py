@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from tenx import config as cfglib
 from tenx.config import field
@@ -60,6 +60,9 @@ DEFAULT_BUDGETS = [1.7e12, 2.7e12, 4.3e12, 6.8e12, 1.07e13, 1.7e13, 2.7e13]
 @dataclass
 class LadderConfig:
     """How a ladder turns budgets into runs (the `[ladder]` section of a derisk file, or `tenx ladder` flags)."""
+
+    SECTION: ClassVar[str] = "ladder"
+    """Where its fields sit in the config tree (errors name `ladder.FIELD`)."""
 
     budgets: list[float] = field(
         default_factory=lambda: list(DEFAULT_BUDGETS), help="training FLOP budgets, one rung each"
@@ -120,7 +123,7 @@ class LadderConfig:
 
     def validate(self) -> None:
         """Check bounds, the budgets and the depth range; names the offending field."""
-        cfglib.check_bounds(self, "ladder")
+        cfglib.check_bounds(self)
         if not self.budgets:
             raise ConfigError("ladder.budgets: give at least one FLOP budget")
         for i, b in enumerate(self.budgets):

@@ -25,7 +25,7 @@ from tenx.monitor.prediction_file import read_prediction
 from tenx.rundir import RunDir
 from tenx.scaling.curve import EXTRAPOLATION_LAW, curve_from_records, extrapolate_run, schedule_from_config
 from tenx.train.config import RunConfig
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 MIN_RECORDS = {"loss": 40, "val_loss": 3}
 """Records after warmup before a first fit (fewer cannot separate the level from the decay)."""
@@ -53,7 +53,7 @@ class SelfExtrapolation(Callback):
         self._thread: threading.Thread | None = None
         self._schedule: Any = None
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         if trainer.rank != 0 or not self.every:
             self.every = 0
             return
@@ -65,9 +65,7 @@ class SelfExtrapolation(Callback):
             self.every = 0
             return
         if self.params is None:
-            self.params = int(getattr(trainer, "param_count", 0)) or sum(
-                p.numel() for p in trainer.model.parameters()
-            )
+            self.params = sum(p.numel() for p in trainer.model.parameters())
         metrics = RunDir(trainer.run_dir).metrics
         if trainer.step and metrics.exists():  # a resumed run: its curve so far
             self.records = [
@@ -82,7 +80,7 @@ class SelfExtrapolation(Callback):
     def _keep(self, record: dict[str, Any]) -> dict[str, Any]:
         return {k: record[k] for k in ("step", "tokens", "lr", self.quantity)}
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if not self.every:
             return
         if self.result is not None:
@@ -121,11 +119,11 @@ class SelfExtrapolation(Callback):
         except Exception as e:  # reported on the next step (on_step_end); the run goes on
             self.error = f"{type(e).__name__}: {e}"
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def close(self, trainer: Any) -> None:
+    def close(self, trainer: TrainerView) -> None:
         self.on_train_end(trainer)
 
 

@@ -7,7 +7,6 @@ so a fit on the rest can be checked against them. Both are parsed here by a smal
 from __future__ import annotations
 
 import csv
-import json
 import math
 import operator
 import re
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
+from tenx.utils.io import jsonl_records
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge,
@@ -187,20 +187,7 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         return rows
     if path.suffix.lower() not in (".jsonl", ".json"):
         raise DataError(f"{path}: unknown format {path.suffix!r}; give a .csv or .jsonl file")
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}: line {line_no}: not valid JSON ({e.msg}); fix or remove the line"
-                ) from e
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: line {line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append((line_no, row))
-    return rows
+    return list(jsonl_records(path))
 
 
 def _positive(path: Path, line: int, row: dict[str, Any], column: str) -> float:

@@ -75,8 +75,7 @@ class TrainConfig:
     eval_batches: int = field(16, ge=1, help="micro-batches of the validation split per evaluation")
 
     def validate(self) -> None:
-        """Check bounds and that exactly one budget is set; names the offending field."""
-        cfglib.check_bounds(self, "train")
+        """Check that exactly one budget is set, the seed and the device; names the offending field."""
         if self.steps is None and self.tokens is None:
             raise ConfigError("train.steps: set train.steps or train.tokens")
         if self.steps is not None and self.tokens is not None:
@@ -129,10 +128,6 @@ class CheckpointConfig:
         "", help="directory of the in-memory tier (default: /dev/shm/tenx-<hash of the run directory>)"
     )
 
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        cfglib.check_bounds(self, "checkpoint")
-
 
 @dataclass
 class LogConfig:
@@ -147,10 +142,6 @@ class LogConfig:
         help="xz -9e on the first this many MB of the training stream, beside the model's prequential code "
         "length for the same bytes, at the end of a run (RUN_DIR/prequential.json; 0: no xz)",
     )
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        cfglib.check_bounds(self, "log")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tenx.config import check_bounds, field
+from tenx.config import field
 
 
 @dataclass
@@ -31,10 +31,6 @@ class OptimConfig:
         0.2, gt=0, le=1, help="wsd only: fraction of the run spent decaying at the end"
     )
     fused: bool | None = field(None, help="fused AdamW kernel; default: use it when the device supports it")
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        check_bounds(self, "optim")
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

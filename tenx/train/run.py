@@ -70,7 +70,8 @@ def train(
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path."""
     run_dir = Path(run_dir)
-    if resume is None and ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
+    checkpoints = rundir.RunDir(run_dir).checkpoints
+    if resume is None and ckpt.list_checkpoints(checkpoints):
         raise TenxError(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
@@ -101,7 +102,7 @@ def train(
                 raise
             raise TenxError(
                 f"training {run_dir} stopped at step {trainer.step}: {problem}; "
-                f"{kept_checkpoints(run_dir / rundir.CHECKPOINTS)}. Free space, then continue with "
+                f"{kept_checkpoints(checkpoints)}. Free space, then continue with "
                 "--resume auto"
             ) from e
         finished = True

@@ -28,10 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 import tenx
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
-from tenx.errors import CheckpointError, DataError, TenxError, UnsafeCheckpointError
+from tenx.errors import CheckpointError, DataError, TenxError
 from tenx.hardware import hardware_summary
-from tenx.rundir import STEP_DIR
-from tenx.train.parts import memory_tier_dir
+from tenx.parallel.distributed import broadcast_object
+from tenx.rundir import step_of
+from tenx.train.config import RunConfig
+from tenx.train.hooks import Callback
+from tenx.train.parts import Part, TrainerParts, memory_tier_dir
 from tenx.train.rng import numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
@@ -65,16 +68,25 @@ def git_commit() -> str | None:
         return None
 
 
-def _step_of(path: Path) -> int:
-    match = STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else -1
+class TrainerState(TrainerParts):
+    """Save, load, resume, rollback and healing for the Trainer (mixed into it; see the module doc).
 
+    Its contract with the Trainer: the parts, under the names of TrainerParts; the counters and flags
+    below, which the Trainer sets first in `__init__` and these methods read and replace; and `_emit`.
+    """
 
-class TrainerState:
-    """Save, load, resume, rollback and healing for the Trainer (mixed into it; see the module doc)."""
-
-    cfg: Any
-    rundir: Any
+    cfg: RunConfig
+    callbacks: list[Callback]
+    """Their state goes into every checkpoint, under each one's `name`."""
+    step: int
+    tokens_seen: int
+    rollbacks: int
+    resumed_from: Path | None
+    """The checkpoint the state was last loaded from."""
+    _rollback_due: bool
+    """The guard saw max_bad_steps bad steps in a row: the loop calls `rollback` at the step's end."""
+    _data_skips = Part[list[list[int]]]("data.skips")
+    """The same list as `data_skips` (rollback's name for it)."""
 
     def _emit(self, event: str, *args: Any) -> None:
         raise NotImplementedError  # the Trainer dispatches hook events to its callbacks
@@ -93,18 +105,10 @@ class TrainerState:
                 "lower optim.lr, check the data named in events.jsonl, or raise guard.max_rollbacks"
             )
         self.checkpointer.wait()
-        target = None
-        for step, path in reversed(ckpt.list_checkpoints(self.rundir.checkpoints)):
-            if step < first_bad:
-                try:
-                    ckpt.verify_checkpoint(path)
-                except UnsafeCheckpointError:
-                    raise  # a forged checkpoint stops the run, as in latest_verified
-                except CheckpointError as e:
-                    print(f"tenx: guard: skipping checkpoint that does not verify: {e}")
-                    continue
-                target = path
-                break
+        # a forged checkpoint (UnsafeCheckpointError) stops the run; a damaged one is skipped for an older one
+        target, skipped = ckpt.latest_verified(self.rundir.checkpoints, before_step=first_bad)
+        for note in skipped:
+            print(f"tenx: guard: skipping checkpoint that does not verify: {note}")
         if target is None:
             raise TenxError(
                 f"guard: {len(streak)} bad steps in a row from step {first_bad} and no verified checkpoint "
@@ -139,9 +143,8 @@ class TrainerState:
         root = memory_tier_dir(self.cfg, self.rundir)
         if not root.is_dir() or root.is_symlink():
             return
+        ckpt.clean_interrupted_saves(root)
         for _, path in ckpt.list_checkpoints(root):
-            shutil.rmtree(path, ignore_errors=True)
-        for path in [*root.glob(f".{STEP_DIR}*.tmp-*"), *root.glob(f".{STEP_DIR}*.old-*")]:
             shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             root.rmdir()  # only when nothing else is left in it
@@ -264,7 +267,7 @@ class TrainerState:
         set_optimizer_state_dict(self.model, self.optimizer, optim)
         self.step, self.tokens_seen = int(counters["step"]), int(counters["tokens"])
         self.loader.load_state_dict(counters["loader"])
-        for start, end in self._data_skips:  # skips recorded after this state was saved
+        for start, end in self.data_skips:  # skips recorded after this state was saved
             self.loader.add_skip(start, end)
         self.guard.load_state_dict(counters.get("guard", {}))
 
@@ -294,10 +297,8 @@ class TrainerState:
         """
         if how == "auto":
             path = self._newest_checkpoint() if self.rank == 0 else None
-            if self.world_size > 1:
-                box = [str(path) if path else None]
-                torch.distributed.broadcast_object_list(box, src=0, group=self.checkpoint_group)
-                path = Path(box[0]) if box[0] else None
+            chosen = broadcast_object(str(path) if path else None, self.world_size, self.checkpoint_group)
+            path = Path(chosen) if chosen else None
             if path is None:
                 return None
         else:
@@ -314,7 +315,7 @@ class TrainerState:
             if memory is not None and ckpt.read_checkpoint_meta(memory).get("run_id") != self.run_id():
                 skipped.append(f"checkpoint {memory} belongs to an earlier run in this directory")
                 memory = None
-            if memory is not None and (path is None or _step_of(memory) > _step_of(path)):
+            if memory is not None and (path is None or (step_of(memory) or 0) > (step_of(path) or 0)):
                 path = memory
         for note in skipped:
             print(f"tenx: skipping checkpoint that does not verify: {note}")

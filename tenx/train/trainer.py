@@ -1,11 +1,18 @@
 """The training loop and the step, plain from top to bottom.
 
-The Trainer receives its built parts (tenx/train/parts.py: data, model, optimizer, checkpointers, replica
-groups, guard, ...) and its callbacks. `train_step` holds the math only: forward, loss, backward, the
-reductions, clip, guard, optimizer step. The cross-group part of a step (torchft: quorum, gradient
-average, commit, DiLoCo's outer step) sits behind `self.sync`, which is a no-op without replica groups.
-Every side concern is a Callback on the named hook events of tenx/train/hooks.py. Save, load, resume,
-rollback and healing live in tenx/train/state.py (TrainerState, inherited).
+The Trainer receives its built parts (tenx/train/parts.py, by group: data, trained model and optimizer,
+checkpointers, services; read under the names of `TrainerParts`) and its callbacks, to which it is a
+`TrainerView` (tenx/train/hooks.py). `train_step` reads the step's data and calls the step itself,
+tenx/train/step.py (forward, loss, backward, clip, guard, optimizer step; `tenx replay` calls the same),
+with the trainer's gradient sync and reductions across ranks and groups as hooks. The cross-group part of
+a step (torchft: quorum, gradient average, commit, DiLoCo's outer step) sits behind `self.sync`, which is
+a no-op without replica groups.
+
+Side concerns are Callbacks on the named hook events of tenx/train/hooks.py, except those `fit` drives
+itself because each must run at one fixed place in the loop or owns the process: the goodput ledger,
+the watchdog, the checkpointer's poll, the rollback, the stop signals (and the SIGUSR1 stack dump) and
+the replica groups' attach and close; hooks.py says why for each. Save, load, resume, rollback and
+healing live in tenx/train/state.py (TrainerState, inherited).
 """
 
 from __future__ import annotations
@@ -25,15 +32,15 @@ from tenx.data.loader import sequential_windows
 from tenx.hardware import resolve_precision
 from tenx.model.transformer import lm_loss
 from tenx.monitor.goodput import process_start_time
-from tenx.parallel.distributed import DistEnv, all_reduce_mean_, full_value
+from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
-from tenx.rundir import RunDir
+from tenx.rundir import step_of
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
-from tenx.train.optim import lr_at
 from tenx.train.parts import Parts, build_parts
 from tenx.train.rng import seed_everything
-from tenx.train.state import TrainerState, _step_of, git_commit
+from tenx.train.state import TrainerState, git_commit
+from tenx.train.step import StepHooks, take_step
 
 __all__ = ["Callback", "Trainer", "git_commit", "resolve_precision", "seed_everything"]
 
@@ -78,50 +85,21 @@ class Trainer(TrainerState):
         env: DistEnv | None = None,
         parts: Parts | None = None,
     ) -> None:
-        parts = parts if parts is not None else build_parts(cfg, run_dir, env)
         self.cfg = cfg
-        self.rundir: RunDir = parts.rundir
-        self.run_dir = parts.rundir.root
-        self.env = parts.env
-        self.rank, self.world_size = parts.env.rank, parts.env.world_size
+        self.parts = parts if parts is not None else build_parts(cfg, run_dir, env)
+        """Everything the run trains with, by group; the names of TrainerParts read them."""
         self.callbacks = list(callbacks or [])
-        self.device, self.amp_dtype = parts.device, parts.amp_dtype
-        self.events = parts.events
-        self.train_stream, self.val_stream = parts.train_stream, parts.val_stream
         self.train_stream.on_bad_shard = self._on_bad_shard
-        self.data_manifest = parts.data_manifest
-        self.model_cfg = parts.model_cfg
-        self.replicas = parts.replicas
-        self.sync: Any = parts.replicas if parts.replicas is not None else LocalStep()
+        self.sync: Any = self.replicas if self.replicas is not None else LocalStep()
         """The cross-group part of each step (tenx.parallel.replicas)."""
-        self.data_parallel, self.grad_accum = parts.data_parallel, parts.grad_accum
-        """Data-parallel workers in all (ranks of this job times replica groups); micro-batches per step."""
-        self.loader = parts.loader
-        self.raw_model = parts.raw_model
-        """The transformer itself (under FSDP2 its parameters are DTensor shards)."""
-        self.model, self.strategy = parts.model, parts.strategy
-        """What forward and backward run through: the DDP wrapper, the FSDP2-sharded model or the model."""
-        self.optimizer = parts.optimizer
-        self.forward = parts.forward
-        self.tokens_per_step, self.total_steps = parts.tokens_per_step, parts.total_steps
-        self.params, self.flops_per_token, self.peak_flops = (
-            parts.params,
-            parts.flops_per_token,
-            parts.peak_flops,
-        )
         self.step = 0
         self.tokens_seen = 0
         self.in_flight: dict[str, Any] = {}
         """The step being taken: its number, loader positions [start, end) and windows (this rank's, and
         every rank's per micro-batch), for the step record and for a crash's incident."""
-        self.resumed_from: Path | None = None
-        self.guard = parts.guard
+        self.resumed_from = None
         self.rollbacks = 0
         self._rollback_due = False
-        self._data_skips = parts.data_skips
-        self.checkpoint_group = parts.checkpoint_group
-        self.checkpointer, self.memory_checkpointer = parts.checkpointer, parts.memory_checkpointer
-        self.ledger, self.watchdog = parts.ledger, parts.watchdog
 
     def _emit(self, event: str, *args: Any) -> None:
         """Call hook `event` of every callback, in order, with this trainer first."""
@@ -140,49 +118,44 @@ class Trainer(TrainerState):
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over grad_accum micro-batches; returns the step's metrics."""
+        """One optimizer step over grad_accum micro-batches (tenx.train.step); returns the step's metrics."""
         t0 = time.perf_counter()
         self.sync.begin_step()  # replica groups, sync mode: the quorum; a group behind its peers heals here
-        lr = lr_at(self.step, self.total_steps, self.cfg.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        accum = self.grad_accum
-        loss_sum = torch.zeros((), device=self.device)
-        self.model.train()
         position = self.loader.position
         windows: list[int] = []
         self.in_flight = {"step": self.step + 1, "position": [position, None], "windows": windows, "all": []}
         batches = []  # the step's data is read first, so a crash record names all of it
-        for _ in range(accum):
+        for _ in range(self.grad_accum):
             batches.append(self.loader.next_batch())
             windows.extend(self.loader.last_windows)
             self.in_flight["all"].append(self.loader.last_global_windows)
         self.in_flight["position"][1] = self.loader.position
-        for i, (inputs, targets) in enumerate(batches):
-            inputs, targets = (
-                inputs.to(self.device, non_blocking=True),
-                targets.to(self.device, non_blocking=True),
-            )
-            with self._gradient_sync(i == accum - 1):
-                with self.autocast():
-                    logits = self.forward(inputs)
-                loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss)
-                (loss / accum).backward()
-            loss_sum += ce.detach()
-        all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
-        self.sync.reduce(self.raw_model, loss_sum)  # replica groups, sync mode: average across groups
-        self._emit("pre_optim_step")
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
-        grad_norm = full_value(norm).item()
-        loss_value = (loss_sum / accum).item()
-        verdict = self.guard.check(loss_value, grad_norm)
-        commit = self.sync.commit()
-        if verdict is None and commit:
-            self.optimizer.step()
-            self.guard.record_good(loss_value, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        if not commit:  # a peer group failed during the step: nobody applied it; the step is taken again
+        on_device = (
+            (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+            for inputs, targets in batches
+        )
+        result = take_step(
+            self.step + 1,
+            [on_device],
+            model=self.model,
+            raw_model=self.raw_model,
+            forward=self.forward,
+            optimizer=self.optimizer,
+            guard=self.guard,
+            optim=self.cfg.optim,
+            total_steps=self.total_steps,
+            accum=self.grad_accum,
+            z_loss=self.model_cfg.z_loss,
+            device=self.device,
+            hooks=StepHooks(
+                forward_context=self.autocast,
+                gradient_sync=self._gradient_sync,
+                reduce=self._reduce,
+                commit=self.sync.commit,
+            ),
+        )
+        lr, loss_value, grad_norm, verdict = result.lr, result.loss, result.grad_norm, result.verdict
+        if not result.committed:  # a peer group failed during the step: nobody applied it; taken again
             self.events.emit("step-not-committed", self.step + 1, rank=self.rank)
             dt = time.perf_counter() - t0
             return {"step": self.step, "skipped": "not-committed", "loss": loss_value, "step_time_s": dt}
@@ -237,13 +210,16 @@ class Trainer(TrainerState):
             self.model.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]
         return contextlib.nullcontext()
 
+    def _reduce(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The step's loss sum and gradients reduced across ranks and replica groups, then pre_optim_step."""
+        all_reduce_mean_(loss_sum, self.world_size)  # the job's loss, the same on every rank
+        self.sync.reduce(self.raw_model, loss_sum)  # replica groups, sync mode: average across groups
+        self._emit("pre_optim_step")
+        return loss_sum
+
     def agree(self, value: int) -> int:
         """Rank 0's `value` on every rank (for decisions every rank must take alike, e.g. when to save)."""
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.broadcast(t, src=0, group=self.checkpoint_group)
-        return int(t.item())
+        return broadcast_int(value, self.world_size, self.checkpoint_group)
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -267,7 +243,10 @@ class Trainer(TrainerState):
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train until total_steps; returns the last step's metrics."""
+        """Train until total_steps; returns the last step's metrics.
+
+        Between the hook events it drives, at fixed places, what is not a callback: replica attach and
+        close, ledger, watchdog, the checkpointer's poll, rollback, stop signals (tenx/train/hooks.py)."""
         self.rundir.root.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self.write_provenance()
@@ -331,17 +310,13 @@ class Trainer(TrainerState):
 
         Several ranks: a max-reduce on the training process group, from the loop's own thread (the
         checkpoint group belongs to the background writer)."""
-        if self.world_size == 1:
-            return signum
-        t = torch.tensor([signum], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+        return max_int(signum, self.world_size, self.device)
 
     def _save_and_stop(self, signum: int) -> None:
         """A scheduler's SIGTERM (preemption) or Ctrl-C: checkpoint this step, name it, stop (exit 130)."""
         self.checkpointer.wait()
         last = self.checkpointer.last_path
-        if last is None or _step_of(last) != self.step:
+        if last is None or step_of(last) != self.step:
             self.save_checkpoint()
             self.checkpointer.wait()
         path = self.rundir.checkpoint(self.step)

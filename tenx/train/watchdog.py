@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tenx.config import check_bounds, field
+from tenx.config import field
 
 if TYPE_CHECKING:
     from tenx.monitor.events import EventLog
@@ -36,10 +36,6 @@ class WatchdogConfig:
     first_step_timeout_s: float = field(
         1800.0, ge=0, help="the same limit before the first step (startup, compilation, data verification)"
     )
-
-    def validate(self) -> None:
-        """Check bounds; names the offending field."""
-        check_bounds(self, "watchdog")
 
 
 class Watchdog:

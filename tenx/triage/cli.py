@@ -1,8 +1,4 @@
-"""The triage subcommands (`tenx incidents`, `tenx replay`, `tenx triage`): their flags and what they run
-(registered by tenx/cli.py).
-
-Each registers itself as tenx.cli_parsing.command does (flags added on first use when the parser can defer
-them), without importing it: the CLI sits above tenx.triage in the layers."""
+"""The triage subcommands (`tenx incidents`, `tenx replay`, `tenx triage`): their flags and what they run."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from tenx.utils.cli import subcommand
 
 def cmd_incidents(args: argparse.Namespace) -> None:
     """Ingest the runs' events and print their incidents (a table, or JSON with --json)."""
-    from tenx.triage.store import format_incidents, list_incidents
+    from tenx.triage.incident_store import format_incidents, list_incidents
 
     found = list_incidents(args.run_dirs, kinds=args.kind or None)
     if args.json:
@@ -26,7 +22,7 @@ def cmd_incidents(args: argparse.Namespace) -> None:
 
 
 def _incidents_arguments(p: argparse.ArgumentParser) -> None:
-    from tenx.triage.store import KINDS
+    from tenx.triage.incident_store import KINDS
 
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     p.add_argument(
@@ -37,12 +33,6 @@ def _incidents_arguments(p: argparse.ArgumentParser) -> None:
         help="only incidents of this kind (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print the incidents as a JSON list")
-
-
-def add_incidents_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx incidents` on the CLI's subparsers."""
-    about = "list the incidents of runs: every anomaly in events.jsonl, kept in RUN_DIR/incidents.db"
-    return subcommand(subparsers, "incidents", about, cmd_incidents, _incidents_arguments)
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
@@ -60,14 +50,6 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=2, help="times to run the step from the same state (default 2)"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx replay` on the CLI's subparsers."""
-    about = (
-        "replay one step of a run exactly: reproduces, does not reproduce (transient), or differs (a race)"
-    )
-    return subcommand(subparsers, "replay", about, cmd_replay, _replay_arguments)
 
 
 def cmd_triage(args: argparse.Namespace) -> None:
@@ -109,7 +91,13 @@ def _triage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print incidents and causes as JSON")
 
 
-def add_triage_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx triage` on the CLI's subparsers."""
+def register(subparsers: Any) -> None:
+    """Register `tenx incidents`, `tenx replay` and `tenx triage` on the CLI's subparsers."""
+    about = "list the incidents of runs: every anomaly in events.jsonl, kept in RUN_DIR/incidents.db"
+    subcommand(subparsers, "incidents", about, cmd_incidents, _incidents_arguments)
+    about = (
+        "replay one step of a run exactly: reproduces, does not reproduce (transient), or differs (a race)"
+    )
+    subcommand(subparsers, "replay", about, cmd_replay, _replay_arguments)
     about = "find each incident's root cause (replay, numerics bisection, checksums) and group them"
-    return subcommand(subparsers, "triage", about, cmd_triage, _triage_arguments)
+    subcommand(subparsers, "triage", about, cmd_triage, _triage_arguments)

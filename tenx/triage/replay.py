@@ -2,8 +2,10 @@
 
 The state before step N is rebuilt from the newest verified checkpoint before it that lies on the same
 timeline (its loader position matches the step record of its step; before the first checkpoint: the
-seeded initialisation), then steps are re-executed deterministically on the data positions recorded in
-RUN_DIR/steps.jsonl, with the guard's recorded decisions (a step the run skipped is skipped again). Step N
+seeded initialisation, built by the trainer's own builder), then steps are re-executed deterministically
+on the data positions recorded in RUN_DIR/steps.jsonl, with the guard's recorded decisions (a step the run
+skipped is skipped again). A step is executed by the trainer's own step function (tenx/train/step.py), so
+the two cannot drift apart. Step N
 is then run `repeat` times from that same state and each outcome (loss and gradient norm bits, digest,
 or the exception and its innermost frame) is compared with the record:
 
@@ -46,16 +48,14 @@ from tenx import rundir as rd
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import CheckpointError, DataError, TenxError
 from tenx.hardware import pick_device
-from tenx.model.transformer import Transformer, lm_loss
+from tenx.model.transformer import Transformer
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug
 from tenx.train.callbacks.record import error_frames, read_steps, step_digest
-from tenx.train.config import RunConfig, accumulation_steps, load_run_config
-from tenx.train.config import tokens_per_step as run_tokens_per_step
-from tenx.train.config import total_steps as run_total_steps
+from tenx.train.config import RunConfig, load_run_config
 from tenx.train.guard import StepGuard
-from tenx.train.optim import build_optimizer, lr_at
-from tenx.train.rng import seed_everything
+from tenx.train.parts import build_model_parts, run_shape
+from tenx.train.step import StepHooks, take_step
 from tenx.triage.outcome import StepOutcome, outcome_of_record
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,13 +136,13 @@ class Replayer:
             max_tokens=self.cfg.data.max_unique_tokens,
             on_corrupt="skip",
         )
-        vocab = int(self.stream.manifest["tokenizer"]["vocab_size"])
-        self.model_cfg = self.cfg.model.resolved(vocab)
+        shape = run_shape(self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size)
+        self.model_cfg = shape.model_cfg
         self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
-        self.data_parallel = self.world_size
-        self.grad_accum = accumulation_steps(tc, self.data_parallel)
-        self.total_steps = run_total_steps(
-            tc, run_tokens_per_step(tc, self.model_cfg.seq_len, self.data_parallel)
+        self.data_parallel, self.grad_accum, self.total_steps = (
+            shape.data_parallel,
+            shape.grad_accum,
+            shape.total_steps,
         )
         self.bitwise = not reference and (
             self.data_parallel <= 2 and self.strategy in ("none", "ddp", "single")
@@ -208,11 +208,9 @@ class Replayer:
 
     # ----- state ------------------------------------------------------------------------------------
     def _fresh(self) -> None:
-        """The run's initial state: seeded initialisation, as build_parts does it."""
-        seed_everything(self.cfg.train.seed)
-        self.model = Transformer(self.model_cfg).to(self.device)
-        self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
-        self.guard = StepGuard(self.cfg.guard)
+        """The run's initial state: seeded initialisation, built as build_parts builds it."""
+        built = build_model_parts(self.cfg, self.model_cfg, self.device)
+        self.model, self.optimizer, self.guard = built.raw_model, built.optimizer, built.guard
         self.step = 0
 
     def _load(self, path: Path) -> None:
@@ -378,65 +376,64 @@ class Replayer:
     ) -> StepOutcome:
         """Execute step `step` on `windows` (global ids per micro-batch) from the current state.
 
-        `apply`: whether to take the optimizer step (None: as the guard decides now; True/False: as the
-        record says). Exceptions from the forward or backward are returned as the outcome.
+        The step is the trainer's own (tenx.train.step.take_step) with replay's hooks: every rank's
+        micro-batches in this process, the op-bug library and `capture` around them, the reference path's
+        float64 loss and math attention. `apply`: whether to take the optimizer step (None: as the guard
+        decides now; True/False: as the record says). Exceptions from the forward or backward are returned
+        as the outcome.
         """
         assert self.model is not None
-        model, mb, accum = self.model, self.micro_batch, self.grad_accum
-        lr = lr_at(step - 1, self.total_steps, self.cfg.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        model.train()
-        params = list(model.parameters())
-        grads: list[list[torch.Tensor | None]] = []
-        losses: list[torch.Tensor] = []
-        try:
-            with self.library(), capture() if capture else contextlib.nullcontext():
-                for rank in range(self.data_parallel):
-                    loss_sum = torch.zeros((), device=self.device, dtype=self._loss_dtype)
-                    for ids in windows:
-                        inputs, targets = self.batch(ids[rank * mb : (rank + 1) * mb])
-                        with self.autocast(), _attention(self.reference):
-                            logits = model(inputs)
-                        loss, ce = lm_loss(logits, targets, self.model_cfg.z_loss, self._loss_dtype)
-                        (loss / accum).backward()
-                        loss_sum += ce.detach()
-                    losses.append(loss_sum)
-                    if self.data_parallel > 1:
-                        grads.append(
-                            [p.grad.detach().clone() if p.grad is not None else None for p in params]
-                        )
-                        self.optimizer.zero_grad(set_to_none=True)
-        except DataError:
-            raise
-        except Exception as error:  # the step's own failure is the outcome to compare
-            self.optimizer.zero_grad(set_to_none=True)
+        result = take_step(
+            step,
+            [self._micro_batches(windows, rank) for rank in range(self.data_parallel)],
+            model=self.model,
+            raw_model=self.model,
+            forward=self.model,
+            optimizer=self.optimizer,
+            guard=self.guard,
+            optim=self.cfg.optim,
+            total_steps=self.total_steps,
+            accum=self.grad_accum,
+            z_loss=self.model_cfg.z_loss,
+            device=self.device,
+            hooks=StepHooks(
+                forward_context=self._forward_context,
+                loop_context=lambda: self._executing(capture),
+                loss_dtype=self._loss_dtype,
+                catch_errors=True,
+            ),
+            apply=apply,
+        )
+        if result.error is not None:  # the step's own failure is the outcome to compare
+            error = result.error
             return StepOutcome(
                 exception=type(error).__name__, message=str(error)[:2000], frames=error_frames(error)
             )
-        loss_sum = losses[0]
-        if self.data_parallel > 1:
-            for other in losses[1:]:
-                loss_sum = loss_sum + other
-            loss_sum = loss_sum / self.data_parallel
-            for i, p in enumerate(params):
-                parts = [g[i] for g in grads if g[i] is not None]
-                if parts:
-                    total = parts[0].clone()
-                    for part in parts[1:]:
-                        total += part
-                    p.grad = total / self.data_parallel
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
-        loss_value = (loss_sum / accum).item()
-        verdict = self.guard.check(loss_value, grad_norm)
-        take = verdict is None if apply is None else apply
-        if take:
-            self.optimizer.step()
-            self.guard.record_good(loss_value, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
         self.step = step
-        return StepOutcome(loss_value, grad_norm, step_digest(loss_value, grad_norm), verdict)
+        return StepOutcome(
+            result.loss, result.grad_norm, step_digest(result.loss, result.grad_norm), result.verdict
+        )
+
+    def _micro_batches(
+        self, windows: list[list[int]], rank: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank `rank`'s inputs and targets of each micro-batch, read as the step reaches them."""
+        for ids in windows:
+            yield self.batch(ids[rank * self.micro_batch : (rank + 1) * self.micro_batch])
+
+    @contextlib.contextmanager
+    def _executing(
+        self, capture: Callable[[], contextlib.AbstractContextManager[Any]] | None
+    ) -> Iterator[None]:
+        """Around a step's micro-batches: the run's library, and `capture` when given."""
+        with self.library(), capture() if capture else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """Around each forward pass: autocast as the run had it; math attention on the reference path."""
+        with self.autocast(), _attention(self.reference):
+            yield
 
     @property
     def _loss_dtype(self) -> torch.dtype:

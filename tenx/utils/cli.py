@@ -1,4 +1,10 @@
-"""Registering a `tenx` subcommand from the module that implements it (below tenx.cli in the layers)."""
+"""How a `tenx` subcommand is registered: the one helper every package's `register(subparsers)` calls.
+
+`subcommand` adds a subcommand whose flags are added when it is first used (`Parser.defer`), so building the
+whole CLI imports no component: `tenx status` does not import torch for the flags of `tenx plan shapes`.
+`Parser` also ends every option's help with its default (`DefaultsFormatter`). This module sits in the
+lowest layer so that any package can register its own commands; tenx/cli.py only lists the packages.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,83 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+AddArguments = Callable[[argparse.ArgumentParser], None]
+"""Adds a subcommand's flags (and, for a group such as `tenx data`, its own subcommands) to its parser."""
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or there is none
+    (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, [], "", argparse.SUPPRESS)
+            and "default" not in text.lower()
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose arguments may be added when it is first used (`defer`): parsing, usage or help."""
+
+    _deferred: AddArguments | None = None
+    made_by_subcommand = False
+    """True for the parser of a subcommand `subcommand` registered (tests/test_layers.py checks them all)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def defer(self, add_arguments: AddArguments) -> None:
+        """Call `add_arguments(self)` when the parser is first used, not now."""
+        self._deferred = add_arguments
+
+    def _complete(self) -> None:
+        if self._deferred is not None:
+            add_arguments, self._deferred = self._deferred, None
+            add_arguments(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
 
 def subcommand(
     subparsers: Any,
     name: str,
     about: str,
-    func: Callable[[argparse.Namespace], None],
-    add: Callable[..., None],
+    func: Callable[[argparse.Namespace], Any] | None,
+    add_arguments: AddArguments,
 ) -> argparse.ArgumentParser:
-    """Register subcommand `name` running `func`; `add(parser)` adds its flags, when the subcommand is used
-    if the parser can defer them (tenx.cli_parsing.Parser), at once otherwise."""
+    """Register subcommand `name` (its help and description `about`) running `func(args)`.
+
+    `add_arguments(parser)` adds its flags when the subcommand is first used (at once on a plain argparse
+    parser, as tests build). A group of subcommands (`tenx data`) has no `func`: its `add_arguments` adds
+    the group's own subparsers and registers them with this helper in turn.
+    """
     parser = subparsers.add_parser(name, help=about, description=about)
-    parser.set_defaults(func=func)
-    if hasattr(parser, "defer"):
-        parser.defer(add)
+    if func is not None:
+        parser.set_defaults(func=func)
+    parser.made_by_subcommand = True  # type: ignore[attr-defined]
+    if isinstance(parser, Parser):
+        parser.defer(add_arguments)
     else:
-        add(parser)
+        add_arguments(parser)
     return parser
+
+
+def add_set(parser: argparse.ArgumentParser, help: str) -> None:
+    """The repeatable `--set SECTION.KEY=VALUE` override."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)

@@ -1,18 +1,21 @@
-"""Durable file I/O: atomic writes (temp + fsync + rename) and xxhash checksums."""
+"""Durable file I/O: atomic writes (temp + fsync + rename) of files and directories, the one JSON-lines
+reader, and xxhash checksums."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import secrets
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 
-from tenx.errors import TenxError
+from tenx.errors import DataError, TenxError
 
 _CHUNK = 1 << 22
 
@@ -70,6 +73,173 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
     """Atomically write JSON with sorted keys (so equal content gives identical bytes)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+
+
+def staging_dir(final: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The sibling `.NAME.tmp-TAG` in which a directory `final` is built before publish_dir (TAG: a fresh
+    unique one when not given; a fixed one lets several processes write into the same staging directory)."""
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp-{tag if tag is not None else _unique_tag()}"
+
+
+def _unique_tag() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def publish_dir(
+    tmp: str | os.PathLike[str],
+    final: str | os.PathLike[str],
+    *,
+    sync_files: bool = True,
+    before_rename: Callable[[], object] | None = None,
+) -> None:
+    """Publish the finished directory `tmp` as its sibling `final` atomically: a reader sees the previous
+    `final` or the complete new one, never a mix, and a crash leaves one of them whole (its leftovers are
+    for recover_interrupted_publishes).
+
+    The files of `tmp` are fsynced (`sync_files=False`: its writer did already), then `tmp` itself; then
+    `before_rename` runs (it raises to refuse, or kills the process to test a crash). A missing or empty
+    `final` is replaced in one rename; any other in two, `final` -> `.NAME.old-*` and `tmp` -> `final`, the
+    old one put back if the second fails and deleted once the new one is in place. Whether `final` may be
+    replaced at all (never what tenx did not write) is the caller's to check, in `before_rename`.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if sync_files:
+        for p in tmp.iterdir():
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if before_rename is not None:
+        before_rename()
+    if final.is_dir() and any(final.iterdir()):
+        old = final.parent / f".{final.name}.old-{_unique_tag()}"
+        os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            os.replace(old, final)  # put the previous one back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def recover_interrupted_publishes(parent: str | os.PathLike[str], names: str = "*") -> None:
+    """Undo what interrupted publishes of the directories of `parent` named like the glob `names` left:
+    staging directories (`.NAME.tmp-*`) are deleted, and a `.NAME.old-*` (a replace killed between its two
+    renames) is renamed back to NAME when that is missing, else deleted. Nothing may be publishing there
+    meanwhile: any process's leftovers qualify."""
+    parent = Path(parent)
+    for stale in parent.glob(f".{names}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in parent.glob(f".{names}.old-*"):
+        final = parent / old.name[1:].partition(".old-")[0]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+
+
+def jsonl_records(
+    path: str | os.PathLike[str], *, torn: Literal["last", "any"] = "last", missing_ok: bool = False
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each line of the JSON-lines file `path`, in order; blank lines are passed over.
+
+    One policy: what a crash leaves is ignored, anything else malformed is a DataError naming the file and
+    the line. Where a crash leaves a cut-short line depends on how the file is written:
+    - torn="last" (one writer at a time, and a resume rewrites the file whole): only as the last line,
+      unterminated; any other line that is not a JSON object is an error.
+    - torn="any" (an append log whose next writer ends a torn last line with a newline and carries on,
+      tenx.monitor.events.append_line): on any line, so every line that is not a JSON object is passed over.
+    A missing file raises FileNotFoundError, or yields nothing with `missing_ok`.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        # a last piece that is not blank has no newline: the write that a crash cut short, maybe
+        record = _jsonl_record(line, path, i + 1, skip_bad=torn == "any", maybe_torn=i == len(lines) - 1)
+        if record is not None:
+            yield i + 1, record
+
+
+def read_jsonl(
+    path: str | os.PathLike[str], *, torn: Literal["last", "any"] = "last", missing_ok: bool = False
+) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file, in order (see jsonl_records for what is passed over)."""
+    return [record for _, record in jsonl_records(path, torn=torn, missing_ok=missing_ok)]
+
+
+def _jsonl_record(
+    line: bytes, path: str | os.PathLike[str], line_no: int, *, skip_bad: bool, maybe_torn: bool
+) -> dict[str, Any] | None:
+    """The object on one line of a JSON-lines file; None for a blank line or one to pass over."""
+    if not line.strip():
+        return None
+    try:  # NaN is allowed: metrics.jsonl writes it for a skipped step's loss
+        record = json.loads(line.decode("utf-8", errors="replace"))
+    except ValueError as e:
+        if skip_bad or maybe_torn:
+            return None
+        raise DataError(
+            f"{path}: line {line_no}: not valid JSON ({getattr(e, 'msg', e)}); fix or remove the line"
+        ) from e
+    if isinstance(record, dict):
+        return record
+    if skip_bad:
+        return None
+    raise DataError(
+        f"{path}: line {line_no}: expected a JSON object, got {type(record).__name__}; fix or remove the line"
+    )
+
+
+class JsonlTail:
+    """The objects of a JSON-lines file that is being appended to, read incrementally: each `read()` parses
+    the complete lines added since the last one (a line still being written waits for the next read), and
+    starts over when the file was replaced or truncated. The policy is jsonl_records' torn="last": only
+    complete lines are read, so a line that is not a JSON object stops the reading there and `error` names
+    it (the records before it stay)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.records: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self._file_id: tuple[int, int] | None = None
+        self._offset = 0
+        self._lines = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every object read so far ([] while the file does not exist)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._file_id, self._offset, self._lines, self.records, self.error = None, 0, 0, [], None
+            return self.records
+        if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:  # replaced or truncated
+            self._file_id, self._offset, self._lines, self.records = (st.st_dev, st.st_ino), 0, 0, []
+            self.error = None
+        if st.st_size > self._offset:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(st.st_size - self._offset)
+            self.error = None
+            for line in chunk.split(b"\n")[:-1]:  # what follows the last newline is still being written
+                try:
+                    record = _jsonl_record(line, self.path, self._lines + 1, skip_bad=False, maybe_torn=False)
+                except DataError as e:
+                    self.error = str(e)  # read again from this line next time
+                    break
+                self._offset += len(line) + 1
+                self._lines += 1
+                if record is not None:
+                    self.records.append(record)
+        return self.records
 
 
 def file_xxhash(path: str | os.PathLike[str]) -> str:

@@ -90,7 +90,7 @@ def merge_scan(cfg: Any, work: stream.Work, world: int) -> dict[str, Any]:
                 )
             sig = np.asarray(sigs[r][i]) if sigs[r] is not None else None  # type: ignore[index]
             outcome = OUTCOMES[int(row["code"])]
-            scanner.take(
+            scanner.take(  # ids.txt: one JSON string per row of rows.bin, read in step with it
                 seq, json.loads(ids[r].readline()), outcome, bytes(row["digest"]), int(row["num_bytes"]), sig
             )
         scanner.commit(None, final=True)

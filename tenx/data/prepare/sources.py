@@ -144,6 +144,8 @@ def _iter_directory(
 
 
 def _iter_jsonl(path: Path, text_field: str, id_field: str | None) -> Iterator[RawDocument]:
+    # Not tenx.utils.io.jsonl_records: a user's corpus, streamed (it may be larger than memory), which no
+    # crash of tenx wrote, so an unparsable last line is a broken corpus to report, not a torn write to drop.
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():

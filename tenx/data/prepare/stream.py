@@ -347,7 +347,7 @@ def scan(cfg: Any, work: Work, workers: int, progress: bool) -> dict[str, Any]:
 def kept_documents(work: Work) -> tuple[np.ndarray, list[str]]:
     """The rows and ids of the kept documents, in read order (after `scan`)."""
     rows = np.fromfile(work.path("rows.bin"), dtype=ROW)
-    with open(work.path("ids.txt"), "rb") as f:
+    with open(work.path("ids.txt"), "rb") as f:  # JSON strings, not objects: checked against rows.bin below
         ids = [json.loads(line) for line in f]
     if len(ids) != len(rows):
         raise DataError(

@@ -1,7 +1,4 @@
-"""`tenx dashboard` and `tenx report`: their flags and what they run (registered by tenx/cli.py).
-
-The subcommands register themselves as tenx.cli_parsing.command does (flags added on first use when the
-parser can defer them), without importing it: the CLI sits above tenx.monitor in the layers."""
+"""`tenx dashboard` and `tenx report`: their flags and what they run."""
 
 from __future__ import annotations
 
@@ -57,13 +54,9 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx dashboard` on the CLI's subparsers."""
+def register(subparsers: Any) -> None:
+    """Register `tenx dashboard` and `tenx report` on the CLI's subparsers."""
     about = "a live web page of runs: loss and prediction band, statistics, throughput, goodput, events"
-    return subcommand(subparsers, "dashboard", about, cmd_dashboard, _dashboard_arguments)
-
-
-def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `tenx report` on the CLI's subparsers."""
+    subcommand(subparsers, "dashboard", about, cmd_dashboard, _dashboard_arguments)
     about = "write the dashboard of runs as one self-contained HTML file that opens offline"
-    return subcommand(subparsers, "report", about, cmd_report, _report_arguments)
+    subcommand(subparsers, "report", about, cmd_report, _report_arguments)

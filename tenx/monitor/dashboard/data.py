@@ -37,12 +37,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, read_ledger
 from tenx.monitor.prediction_file import read_prediction
 from tenx.rundir import RunDir
+from tenx.utils.io import JsonlTail
 
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "pred_dev")
 """The per-step figures of metrics.jsonl drawn as lines (pred_dev only once the run is watched)."""
@@ -117,41 +117,6 @@ class _Cached:
             self._value = self.load(self.path)
             self._signature = signature
         return self._value
-
-
-class JsonlTail:
-    """The records of a .jsonl file that is being appended to, read incrementally (complete lines only)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.records: list[dict[str, Any]] = []
-        self._file_id: tuple[int, int] | None = None
-        self._offset = 0
-
-    def read(self) -> list[dict[str, Any]]:
-        """Every complete, parsable JSON-object line so far ([] while the file does not exist)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            self._file_id, self._offset, self.records = None, 0, []
-            return self.records
-        if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:  # replaced or truncated
-            self._file_id, self._offset, self.records = (st.st_dev, st.st_ino), 0, []
-        if st.st_size > self._offset:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(st.st_size - self._offset)
-            end = chunk.rfind(b"\n")
-            if end >= 0:  # what follows the last newline is a line still being written
-                self._offset += end + 1
-                for line in chunk[:end].split(b"\n"):
-                    try:  # NaN is allowed: metrics.jsonl writes it for a skipped step's loss
-                        record = json.loads(line.decode("utf-8", errors="replace"))
-                    except ValueError:
-                        continue  # a torn line ended by the next writer
-                    if isinstance(record, dict):
-                        self.records.append(record)
-        return self.records
 
 
 def _read_provenance(path: Path) -> dict[str, Any]:
@@ -249,8 +214,8 @@ class RunView:
     def files(self) -> list[str]:
         """The run's files worth a link that exist now, relative to the run directory."""
         run = self.run
-        candidates = [run.config, run.provenance, run.root / rundir.EVAL, run.loss_curve, run.prediction_png]
-        candidates.append(run.extrapolation / rundir.PREDICTION_PNG)
+        candidates = [run.config, run.provenance, run.eval_report, run.loss_curve, run.prediction_png]
+        candidates.append(run.extrapolation_png)
         found = []
         for path in candidates:
             try:
@@ -273,6 +238,8 @@ class RunView:
         }
         if not exists:
             errors.append(f"{self.run.root} does not exist yet: the page shows the run once it starts")
+        if self._metrics.error is not None:
+            errors.append(f"steps not drawn past a damaged line: {self._metrics.error}")
         provenance = self._provenance.get()
         total = provenance.get("total_steps")
         view["total_steps"] = total if isinstance(total, int) else None

@@ -24,7 +24,7 @@ from tenx.scaling.curve.curve_laws import (
     Law,
     design,
 )
-from tenx.scaling.curve.evaluate import (
+from tenx.scaling.curve.backtest import (
     benchmark,
     curve_error,
     curves_by_budget,

@@ -302,7 +302,7 @@ def curve_from_run(run_dir: str | Path, name: str | None = None, quantity: str =
 
 def read_curves(directory: str | Path, quantity: str = "loss") -> list[Curve]:
     """Every run directory directly under `directory` (sorted by name) as a curve of `quantity`."""
-    runs = sorted(p for p in Path(directory).iterdir() if (p / rundir.CONFIG).exists())
+    runs = sorted(p for p in Path(directory).iterdir() if rundir.RunDir(p).config.exists())
     if not runs:
         raise TenxError(f"{directory}: holds no run directories (folders with {rundir.CONFIG})")
     return [curve_from_run(p, quantity=quantity) for p in runs]

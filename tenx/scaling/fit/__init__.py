@@ -9,9 +9,9 @@ A = e^a, B = e^b, E = e^e, so one optimiser serves every law.
 
 Modules, each importing only those listed after it: published (Gadre et al.'s runs as a benchmark: the
 inner cross-validation that chose how to fit them, and the error of every big run), report (the whole
-analysis of a run table; the `tenx fit` command in tenx/cli.py calls it; leave-largest-size-out), plots,
-frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws, FitConfig,
-FitResult, the fit functions), solver (the optimiser).
+analysis of a run table; the `tenx fit` command in tenx/scaling/cli.py calls it; leave-largest-size-out),
+plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
+FitConfig, FitResult, the fit functions), solver (the optimiser).
 """
 
 from tenx.scaling.fit.frontier import (

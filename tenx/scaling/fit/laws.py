@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.optimize import minimize
@@ -56,6 +56,9 @@ class FitConfig:
     """How a law is fitted: every fit function takes these fields as keywords, its one list of options
     (`tenx fit` sets huber_delta, bootstrap, seed and tie_exponents)."""
 
+    SECTION: ClassVar[str] = "fit"
+    """Where its fields sit in the config tree (errors name `fit.FIELD`)."""
+
     huber_delta: float = field(
         1e-3,
         help="Huber loss threshold on log-loss residuals (Hoffmann et al. use 1e-3: nearly an L1 fit, robust "
@@ -84,7 +87,7 @@ class FitConfig:
 
     def validate(self) -> None:
         """Check bounds and that huber_delta is a finite positive number; names the offending field."""
-        check_bounds(self, "fit")
+        check_bounds(self)
         if not (self.huber_delta > 0 and math.isfinite(self.huber_delta)):
             raise ConfigError(f"fit.huber_delta: must be a positive number, got {self.huber_delta}")
 

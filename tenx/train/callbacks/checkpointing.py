@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from tenx.checkpoint.interval import young_daly_interval_s
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 
 class Checkpointing(Callback):
@@ -38,7 +38,7 @@ class Checkpointing(Callback):
         self._last_time = 0.0
         self._observed_mtbf: float | None = None
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self.next_auto = trainer.step + self.auto_first_step
         self._last_time = time.perf_counter()
         if self.every == "auto":
@@ -49,12 +49,12 @@ class Checkpointing(Callback):
             if failures and report.get("wall_s", 0) > 0:
                 self._observed_mtbf = report["wall_s"] / failures
 
-    def _due(self, trainer: Any) -> bool:
+    def _due(self, trainer: TrainerView) -> bool:
         if self.every == "auto":
             return trainer.step >= self.next_auto
         return bool(self.every) and trainer.step % int(self.every) == 0
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         now = time.perf_counter()
         dt, self._last_time = now - self._last_time, now
         self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
@@ -70,7 +70,7 @@ class Checkpointing(Callback):
             trainer.save_checkpoint(tier="memory")
             self._last_time = time.perf_counter()
 
-    def _plan_next(self, trainer: Any, blocked: float) -> None:
+    def _plan_next(self, trainer: TrainerView, blocked: float) -> None:
         self._save_cost = blocked if self._save_cost is None else 0.7 * self._save_cost + 0.3 * blocked
         mtbf = self._observed_mtbf or self.mtbf_s
         interval_s = max(
@@ -93,7 +93,7 @@ class Checkpointing(Callback):
         self.interval_steps = steps
         self.next_auto = trainer.step + steps
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         if self.at_end and self.last_saved != trainer.step:
             trainer.save_checkpoint()
             self.last_saved = trainer.step

@@ -19,7 +19,7 @@ from tenx.parallel.consistency import (
     majority,
     parameter_digest,
 )
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 
 class ConsistencyCheck(Callback):
@@ -48,7 +48,7 @@ class ConsistencyCheck(Callback):
         self._suspect_generation = 0
 
     # -- hook events -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         lone = trainer.world_size == 1 and trainer.replicas is None
         self._active = self.cfg.every > 0 and (not lone or (self.cfg.alone and self.cfg.self_check))
         if not self._active:
@@ -57,7 +57,7 @@ class ConsistencyCheck(Callback):
         if self._self_check:
             self._record(trainer)
 
-    def pre_optim_step(self, trainer: Any) -> None:
+    def pre_optim_step(self, trainer: TrainerView) -> None:
         """Gradients are reduced: compare replicas at the due steps, then check this rank's own parameters."""
         if not self._active:
             return
@@ -65,27 +65,27 @@ class ConsistencyCheck(Callback):
         if self._self_check:
             self._verify(trainer, trainer.step + 1)
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if not self._self_check:
             return
         if "skipped" in metrics:  # the guard skipped the update: nothing may have changed the parameters
             self._verify(trainer, trainer.step)
         self._record(trainer)
 
-    def post_state_loaded(self, trainer: Any, source: str) -> None:
+    def post_state_loaded(self, trainer: TrainerView, source: str) -> None:
         self._generation += 1  # digests recorded before a resume, rollback or heal no longer apply
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         self._self_check = False
         self._active = False
 
     # -- the self-check ----------------------------------------------------------------------------
-    def _record(self, trainer: Any) -> None:
+    def _record(self, trainer: TrainerView) -> None:
         """Remember the parameters as this step left them (after any outer sync or state load)."""
         self._recorded = parameter_digest(trainer.raw_model)
         self._recorded_generation = self._generation
 
-    def _verify(self, trainer: Any, step: int) -> None:
+    def _verify(self, trainer: TrainerView, step: int) -> None:
         """Parameters must be as recorded, unless the trainer loaded state since (resume, rollback, heal)."""
         if self._recorded is None or self._generation != self._recorded_generation:
             return
@@ -105,11 +105,11 @@ class ConsistencyCheck(Callback):
         )
         self._recorded = now  # report one change once
 
-    def _suspect(self, trainer: Any) -> bool:
+    def _suspect(self, trainer: TrainerView) -> bool:
         return self._suspect_step is not None and self._suspect_generation == self._generation
 
     # -- cross-replica comparison ------------------------------------------------------------------
-    def _compare_due(self, trainer: Any) -> None:
+    def _compare_due(self, trainer: TrainerView) -> None:
         """Compare at the steps every rank and group derives alike from `trainer.step` (or the run hangs)."""
         step = trainer.step + 1
         due = step % self.cfg.every == 0
@@ -128,7 +128,7 @@ class ConsistencyCheck(Callback):
 
     def _compare(
         self,
-        trainer: Any,
+        trainer: TrainerView,
         step: int,
         scope: str,
         slot: int,
@@ -184,7 +184,9 @@ class ConsistencyCheck(Callback):
                 **{where: divergent},
             )
 
-    def _report(self, trainer: Any, step: int, *, message: str, emit: bool = True, **fields: Any) -> None:
+    def _report(
+        self, trainer: TrainerView, step: int, *, message: str, emit: bool = True, **fields: Any
+    ) -> None:
         """Record and print one mismatch; raise under on_mismatch='stop'."""
         if emit:
             trainer.events.emit("replica-mismatch", step, reporter=trainer.rank, message=message, **fields)

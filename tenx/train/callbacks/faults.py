@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from tenx.config import field
 from tenx.errors import ConfigError
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.tensors import local_tensor
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class FaultInjector(Callback):
         """OpBug modes entered for the current step (op-bug faults stay armed from their step on)."""
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         from tenx.monitor.events import read_events
 
         self._fired = {
@@ -223,7 +223,7 @@ class FaultInjector(Callback):
             if e.get("kind") == "fault" and e.get("step") is not None
         }
 
-    def _due(self, trainer: Any, step: int, phase: str) -> list[FaultSpec]:
+    def _due(self, trainer: TrainerView, step: int, phase: str) -> list[FaultSpec]:
         due = []
         for i, spec in enumerate(self.specs):
             if spec.phase != phase or spec.rank != trainer.rank or (spec.text, step) in self._fired:
@@ -232,30 +232,30 @@ class FaultInjector(Callback):
                 due.append(spec)
         return due
 
-    def _record(self, trainer: Any, spec: FaultSpec, step: int, **fields: Any) -> None:
+    def _record(self, trainer: TrainerView, spec: FaultSpec, step: int, **fields: Any) -> None:
         self._fired.add((spec.text, step))
         trainer.events.emit("fault", step, fault=spec.text, fault_kind=spec.kind, **fields)
 
     # -- the faults --------------------------------------------------------------------------------
-    def on_step_start(self, trainer: Any) -> None:
+    def on_step_start(self, trainer: TrainerView) -> None:
         step = trainer.step + 1
         for spec in self._due(trainer, step, "step"):
             self._fire(trainer, spec, step)
         self._arm_op_bugs(trainer, step)
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self._disarm_op_bugs()
 
-    def on_error(self, trainer: Any, error: BaseException) -> None:
+    def on_error(self, trainer: TrainerView, error: BaseException) -> None:
         self._disarm_op_bugs()
 
-    def close(self, trainer: Any) -> None:
+    def close(self, trainer: TrainerView) -> None:
         self._disarm_op_bugs()
 
-    def _arm_op_bugs(self, trainer: Any, step: int) -> None:
+    def _arm_op_bugs(self, trainer: TrainerView, step: int) -> None:
         """Enter the OpBug mode of every op-bug fault armed by now (recorded once, when first armed)."""
         from tenx.train.callbacks.opbug import OpBug
 
@@ -274,7 +274,7 @@ class FaultInjector(Callback):
         while self._op_bugs:
             self._op_bugs.pop().__exit__(None, None, None)
 
-    def _fire(self, trainer: Any, spec: FaultSpec, step: int) -> None:
+    def _fire(self, trainer: TrainerView, spec: FaultSpec, step: int) -> None:
         kind = spec.kind
         if kind == "op-bug":
             return  # armed in _arm_op_bugs, for every step from spec.step on
@@ -328,7 +328,7 @@ class FaultInjector(Callback):
         elif kind == "bitflip":
             self._flip_bit(trainer, spec, step)
 
-    def _flip_bit(self, trainer: Any, spec: FaultSpec, step: int) -> None:
+    def _flip_bit(self, trainer: TrainerView, spec: FaultSpec, step: int) -> None:
         """Flip bit `spec.bit` of one element of one parameter's local shard, in place."""
         import torch
 
@@ -369,7 +369,7 @@ class FaultInjector(Callback):
             )
             ints[index : index + 1] = flipped
 
-    def post_checkpoint_saved(self, trainer: Any, tmp_dir: Path, step: int) -> None:
+    def post_checkpoint_saved(self, trainer: TrainerView, tmp_dir: Path, step: int) -> None:
         """A save of `step` is complete but unpublished: a `sigkill@...,phase=save` fault fires here."""
         for spec in self._due(trainer, step, "save"):
             self._record(trainer, spec, step, phase="save", tmp_dir=str(tmp_dir))

@@ -10,7 +10,7 @@ from typing import Any
 
 from tenx import rundir
 from tenx.monitor.metrics_file import read_metrics
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_text
 
 
@@ -20,13 +20,14 @@ class MetricsLogger(Callback):
     name = "metrics"
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
-        self.path = Path(run_dir) / rundir.METRICS
+        self.run = rundir.RunDir(run_dir)
+        self.path = self.run.metrics
         self.tensorboard = tensorboard
         self._file: Any = None
         self._writer: Any = None
         self._last_step = 0
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             # After a resume, drop records past the checkpoint: those steps are trained again.
@@ -37,11 +38,9 @@ class MetricsLogger(Callback):
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(
-                str(self.path.parent / rundir.TENSORBOARD), purge_step=trainer.step + 1
-            )
+            self._writer = SummaryWriter(str(self.run.tensorboard), purge_step=trainer.step + 1)
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if metrics["step"] <= self._last_step:  # after a rollback: the steps are trained again
             self._file.close()
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) < metrics["step"]]
@@ -57,7 +56,7 @@ class MetricsLogger(Callback):
                         f"train/{key}" if not key.startswith("val") else key, value, metrics["step"]
                     )
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         if self._file is not None:
             self._file.close()
         if self._writer is not None:
@@ -81,14 +80,14 @@ class Progress(Callback):
         self._start_step = 0
         self._watch: dict[str, float] = {}  # the latest pred_* figures
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self._t0, self._start_step = time.perf_counter(), trainer.step
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=trainer.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.1f}%"
         if "val_loss" in metrics:
             text += f" | val {metrics['val_loss']:.4f}"
@@ -112,6 +111,6 @@ class Progress(Callback):
                 f"step {step}/{trainer.total_steps} | {text} | eta {_eta(eta)}", file=sys.stderr, flush=True
             )
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from tenx.data.tokenizer import load_tokenizer
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.compression import xz_bits_per_byte
 from tenx.utils.io import atomic_write_json
 
@@ -48,16 +48,16 @@ class Prequential(Callback):
         self._lengths: np.ndarray | None = None
         self._pieces: list[bytes] = []
 
-    def on_train_start(self, trainer: Any) -> None:
-        tokenizer = load_tokenizer(trainer.cfg.data.dir, trainer.data_manifest["tokenizer"])
+    def on_train_start(self, trainer: TrainerView) -> None:
+        tokenizer = load_tokenizer(trainer.train_stream.data_dir, trainer.data_manifest["tokenizer"])
         self._pieces = tokenizer.token_bytes()
         self._lengths = np.array([len(p) for p in self._pieces], dtype=np.int64)
 
-    def _targets(self, trainer: Any, window: int) -> np.ndarray:
+    def _targets(self, trainer: TrainerView, window: int) -> np.ndarray:
         seq_len = trainer.model_cfg.seq_len
         return trainer.train_stream.read(window * seq_len, seq_len + 1)[1:]
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         flight = trainer.in_flight
         position = flight.get("position") or [0, 0]
         if self._lengths is None or position[0] >= trainer.loader.num_windows:
@@ -81,7 +81,7 @@ class Prequential(Callback):
         if self.bytes:
             metrics["prequential_bpb"] = self.nats / LN2 / self.bytes
 
-    def summary(self, trainer: Any, with_xz: bool = True) -> dict[str, Any]:
+    def summary(self, trainer: TrainerView, with_xz: bool = True) -> dict[str, Any]:
         """The figures of prequential.json (xz on the prefix only when `with_xz`)."""
         out: dict[str, Any] = {
             "bits_per_byte": self.nats / LN2 / self.bytes if self.bytes else None,
@@ -113,7 +113,7 @@ class Prequential(Callback):
                 }
         return out
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerView) -> None:
         if self.bytes:
             atomic_write_json(trainer.rundir.prequential, self.summary(trainer))
 

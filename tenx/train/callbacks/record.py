@@ -24,7 +24,8 @@ from typing import Any
 import xxhash
 
 from tenx.monitor.events import append_line, json_line
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
+from tenx.utils.io import read_jsonl
 
 MAX_FRAMES = 12
 """Innermost frames kept in a crash record."""
@@ -67,11 +68,11 @@ class StepRecord(Callback):
     def __init__(self) -> None:
         self.path: Path | None = None
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         if trainer.rank == 0:
             self.path = trainer.rundir.steps
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if self.path is None:
             return
         flight = trainer.in_flight
@@ -84,14 +85,14 @@ class StepRecord(Callback):
             "skipped": metrics.get("skipped"),
             "position": flight.get("position"),
             "windows": flight.get("all"),
-            "skips": len(trainer._data_skips),
+            "skips": len(trainer.data_skips),
             "rollbacks": trainer.rollbacks,
             "pid": os.getpid(),
             "time": time.time(),
         }
         append_line(self.path, json_line(record), sync=False)
 
-    def on_error(self, trainer: Any, error: BaseException) -> None:
+    def on_error(self, trainer: TrainerView, error: BaseException) -> None:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             return  # a requested stop, recorded as `stopped`
         flight = trainer.in_flight
@@ -119,6 +120,4 @@ class StepRecord(Callback):
 
 def read_steps(path: str | Path) -> list[dict[str, Any]]:
     """The step records of a steps.jsonl, in the order written (torn lines skipped)."""
-    from tenx.monitor.events import read_jsonl
-
-    return [r for r in read_jsonl(Path(path)) if isinstance(r.get("step"), int)]
+    return [r for r in read_jsonl(path, torn="any", missing_ok=True) if isinstance(r.get("step"), int)]

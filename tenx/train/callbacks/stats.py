@@ -44,7 +44,7 @@ from tenx.monitor.internals import (
     stat_key,
     update_ratio,
 )
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 _PER_RANK = ("step_time_s", "memory_gib")
 
@@ -109,10 +109,10 @@ class ModelStats(Callback):
         self._model_stats: dict[str, Any] = {}
 
     # -- hook events -------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self._arm(trainer)
 
-    def on_step_start(self, trainer: Any) -> None:
+    def on_step_start(self, trainer: TrainerView) -> None:
         if self._active:  # the last attempt was not committed: the step is taken again, timed afresh
             self._finish()
             self._arm(trainer)
@@ -127,7 +127,7 @@ class ModelStats(Callback):
             if p.requires_grad and not _local(p)[1]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _: clock.mark()))
 
-    def pre_optim_step(self, trainer: Any) -> None:
+    def pre_optim_step(self, trainer: TrainerView) -> None:
         if not self._active:
             return
         assert self._clock is not None
@@ -145,7 +145,7 @@ class ModelStats(Callback):
         self._before = [p.clone() for p in local_params]
         self._model_stats = self._probe_forward(trainer)
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if self._active:
             params = list(trainer.raw_model.parameters())
             deltas = [_local(p)[0].detach() - before for p, before in zip(params, self._before, strict=True)]
@@ -155,23 +155,25 @@ class ModelStats(Callback):
             self._finish()
         self._arm(trainer)
 
-    def post_state_loaded(self, trainer: Any, source: str) -> None:
+    def post_state_loaded(self, trainer: TrainerView, source: str) -> None:
         self._finish()
         self._arm(trainer)
 
-    def close(self, trainer: Any) -> None:
+    def close(self, trainer: TrainerView) -> None:
         self._finish()
 
     def _due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def _arm(self, trainer: Any) -> None:
+    def _arm(self, trainer: TrainerView) -> None:
         """Start this rank's clock when the next step is a stats step: from here, where the ranks last
         agreed (the loop's end-of-step checks), to the step's last gradient."""
         self._clock = _Clock(trainer.device) if self._due(trainer.step + 1) else None
 
     # -- the statistics ----------------------------------------------------------------------------
-    def _add_norms(self, trainer: Any, name: str, positions: Any, tensors: list[torch.Tensor]) -> None:
+    def _add_norms(
+        self, trainer: TrainerView, name: str, positions: Any, tensors: list[torch.Tensor]
+    ) -> None:
         """Per-layer squared norms of this rank's part of `tensors` (of the parameters at `positions`):
         shards of FSDP parameters apart from parameters every rank holds whole."""
         groups = len(self._layers)
@@ -185,7 +187,7 @@ class ModelStats(Callback):
                 else torch.zeros(groups, dtype=torch.float32, device=trainer.device)
             )
 
-    def _gather(self, trainer: Any) -> dict[str, float]:
+    def _gather(self, trainer: TrainerView) -> dict[str, float]:
         """Per-rank times and memory, and per-layer norms with the shards of every rank summed in."""
         norms = ("grad", "param", "update")
         local = torch.cat(
@@ -214,19 +216,19 @@ class ModelStats(Callback):
         return out
 
     @torch.no_grad()
-    def _probe_forward(self, trainer: Any) -> dict[str, float]:
+    def _probe_forward(self, trainer: TrainerView) -> dict[str, float]:
         """Block outputs, attention logits and output logits of one forward on the fixed probe batch."""
         model = trainer.raw_model
         if self._probe is None:
             stream = trainer.val_stream if trainer.val_stream is not None else trainer.train_stream
-            batches = sequential_windows(stream, trainer.model_cfg.seq_len, trainer.cfg.train.micro_batch, 1)
+            batches = sequential_windows(stream, trainer.model_cfg.seq_len, trainer.loader.micro_batch, 1)
             self._probe = next(iter(batches))[0].to(trainer.device)
         moments: dict[int, torch.Tensor] = {}
 
         def observe(i: int, x_BTD: torch.Tensor) -> None:
             moments[i] = activation_moments(x_BTD)
 
-        attentions = [block.attn for block in model.blocks]
+        attentions: list[Any] = [block.attn for block in model.blocks]  # Attention modules
         for attn in attentions:
             attn.record_logit_max = True
         try:
@@ -245,7 +247,7 @@ class ModelStats(Callback):
             for attn in attentions:
                 attn.record_logit_max, attn.logit_max = False, None
         if trainer.strategy == "fsdp":  # a forward without backward leaves the root's parameters gathered
-            model.reshard()
+            model.reshard()  # type: ignore[operator]
         out = {stat_key("logit_max"): figures[0], stat_key("logit_entropy"): figures[1]}
         for i in range(len(attentions)):
             rms, peak = rms_and_max(figures[2 + 4 * i : 5 + 4 * i])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 
 class Validation(Callback):
@@ -15,7 +15,7 @@ class Validation(Callback):
     def __init__(self, every: int) -> None:
         self.every = every
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         step = trainer.step
         if (self.every and step % self.every == 0) or step == trainer.total_steps:
             val = trainer.validation_loss()

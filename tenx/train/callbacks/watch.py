@@ -17,7 +17,7 @@ from tenx.monitor.config import MonitorConfig
 from tenx.monitor.deviation import PredictionWatch, check_target
 from tenx.monitor.prediction_file import read_prediction, write_prediction
 from tenx.monitor.trends import TrendConfig, TrendDetectors
-from tenx.train.hooks import Callback
+from tenx.train.hooks import Callback, TrainerView
 
 
 class Watch(Callback):
@@ -36,7 +36,7 @@ class Watch(Callback):
             except (OSError, TenxError) as e:
                 raise ConfigError(f"monitor.prediction: {e}") from None
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         if self.cfg.prediction:
             check_target(self._loaded, self.cfg.prediction, trainer.total_steps, trainer.tokens_per_step)
             # the run directory keeps the prediction it is watched against (the dashboard reads it there)
@@ -58,7 +58,7 @@ class Watch(Callback):
             if self._pending.get("trends"):
                 self.trends.load_state_dict(self._pending["trends"])
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         step = int(metrics.get("step", trainer.step))
         events: list[dict[str, Any]] = []
         if self.prediction is not None:

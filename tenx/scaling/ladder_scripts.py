@@ -36,13 +36,14 @@ def emit_launch(
                 f"{ranks} ranks; raise the base config's train.global_batch or lower --nproc/--nodes"
             )
         run_dir = ladder_dir / "runs" / run.name
+        config = rundir.RunDir(run_dir).config
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / rundir.CONFIG, cfglib.dumps_toml(run.config))
+        atomic_write_text(config, cfglib.dumps_toml(run.config))
         micro = min(run.config.train.micro_batch, run.global_batch // ranks)
         while (run.global_batch // ranks) % micro:
             micro -= 1
         train_args = (
-            f"-m tenx train --config {shlex.quote(str(run_dir / rundir.CONFIG))} "
+            f"-m tenx train --config {shlex.quote(str(config))} "
             f"--run-dir {shlex.quote(str(run_dir))} --resume auto --set train.micro_batch={micro}"
         )
         runs.append((run, run_dir, train_args))

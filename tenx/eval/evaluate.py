@@ -110,7 +110,7 @@ def evaluate(
         "datasets": results,
         "overall": combine(results),
     }
-    out_path = Path(out) if out else (loaded.run_dir or loaded.checkpoint) / rundir.EVAL
+    out_path = Path(out) if out else rundir.RunDir(loaded.run_dir or loaded.checkpoint).eval_report
     try:
         atomic_write_json(out_path, report)
         report["path"] = str(out_path)

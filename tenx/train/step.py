@@ -1,0 +1,174 @@
+"""One training step, the same code for training and for its replay: `take_step`.
+
+The Trainer (tenx/train/trainer.py) and `tenx replay` (tenx/triage/replay.py) both call `take_step`, so a
+replayed step is the trained step by construction, not by two copies edited together. It owns the math:
+the learning rate from lr_at, the micro-batch loop (forward, lm_loss, (loss / accum).backward(), the loss
+sum), the gradient clip, the guard's check and whether the update is applied. What differs between the two
+callers comes in as `StepHooks`: the trainer's gradient-sync context per micro-batch and its reductions
+across ranks and replica groups; replay's reference path (float64 loss, math attention), its op-bug library
+and capture contexts, and its "apply as recorded".
+
+Replay runs a data-parallel step in one process: `micro_batches` then holds one list per rank, each rank's
+micro-batches run in turn and the gradients are averaged as the all-reduce does (tenx/triage/replay.py
+says when that is bit for bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tenx.errors import DataError
+from tenx.model.transformer import lm_loss
+from tenx.parallel.distributed import full_value
+from tenx.train.guard import StepGuard
+from tenx.train.optim import OptimConfig, lr_at
+
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _no_gradient_sync(last_micro_batch: bool) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _unreduced(loss_sum: torch.Tensor) -> torch.Tensor:
+    return loss_sum
+
+
+def _committed() -> bool:
+    return True
+
+
+@dataclass
+class StepHooks:
+    """What the trainer's step and replay's re-execution of it do differently (the defaults: nothing)."""
+
+    forward_context: Context = contextlib.nullcontext
+    """Around each forward pass: autocast (replay's reference path: math attention, no autocast)."""
+    gradient_sync: Callable[[bool], contextlib.AbstractContextManager[Any]] = _no_gradient_sync
+    """Around each micro-batch's forward and backward, told whether it is the step's last: the trainer's
+    DDP no_sync / FSDP set_requires_gradient_sync."""
+    loop_context: Context = contextlib.nullcontext
+    """Around all the micro-batches: replay's op-bug library and bisection's capture."""
+    reduce: Callable[[torch.Tensor], torch.Tensor] = _unreduced
+    """After the micro-batches, before the clip, given the step's loss sum; returns it reduced: the
+    trainer's all-reduce across ranks and groups, then its pre_optim_step event."""
+    commit: Callable[[], bool] = _committed
+    """After the guard's check: whether the step may be applied (replica groups: every peer finished it)."""
+    loss_dtype: torch.dtype = torch.float32
+    """The dtype of the loss and the loss sum (float64 on replay's reference path)."""
+    catch_errors: bool = False
+    """Return an exception a forward or backward raises as the result (replay compares it with a recorded
+    crash) instead of raising it; a DataError (the data, not the step) is raised all the same."""
+
+
+@dataclass
+class StepResult:
+    """What one step produced: its loss, gradient norm and the guard's verdict, or the exception it raised."""
+
+    lr: float
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    verdict: str | None = None
+    """The guard's reason to skip the update, None when it let it through."""
+    committed: bool = True
+    """False: a replica group failed during the step; nobody applied it."""
+    applied: bool = False
+    error: Exception | None = field(default=None, repr=False)
+
+
+def take_step(
+    step: int,
+    micro_batches: Sequence[Iterable[Batch]],
+    *,
+    model: nn.Module,
+    raw_model: nn.Module,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    guard: StepGuard,
+    optim: OptimConfig,
+    total_steps: int,
+    accum: int,
+    z_loss: float,
+    device: torch.device,
+    hooks: StepHooks | None = None,
+    apply: bool | None = None,
+) -> StepResult:
+    """Take optimizer step `step` (counted from 1) over `micro_batches` (inputs, targets) per rank.
+
+    `model` is what forward and backward run through (set to training mode), `raw_model` the transformer
+    whose gradients are clipped. `apply`: None takes the update when the guard and the commit allow it;
+    True/False decide it (replay: as the record says).
+    """
+    hooks = hooks if hooks is not None else StepHooks()
+    lr = lr_at(step - 1, total_steps, optim)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.train()
+    ranks = len(micro_batches)
+    params = list(raw_model.parameters()) if ranks > 1 else []
+    losses: list[torch.Tensor] = []
+    grads: list[list[torch.Tensor | None]] = []
+    try:
+        with hooks.loop_context():
+            for batches in micro_batches:
+                loss_sum = torch.zeros((), device=device, dtype=hooks.loss_dtype)
+                for i, (inputs, targets) in enumerate(batches):
+                    with hooks.gradient_sync(i == accum - 1):
+                        with hooks.forward_context():
+                            logits = forward(inputs)
+                        loss, ce = lm_loss(logits, targets, z_loss, hooks.loss_dtype)
+                        (loss / accum).backward()
+                    loss_sum += ce.detach()
+                losses.append(loss_sum)
+                if ranks > 1:
+                    grads.append([p.grad.detach().clone() if p.grad is not None else None for p in params])
+                    optimizer.zero_grad(set_to_none=True)
+    except Exception as error:
+        if not hooks.catch_errors or isinstance(error, DataError):
+            raise
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(lr, error=error)
+    loss_sum = losses[0] if ranks == 1 else _average_ranks(losses, grads, params)
+    loss_sum = hooks.reduce(loss_sum)
+    clip = optim.grad_clip if optim.grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
+    grad_norm = full_value(norm).item()
+    loss_value = (loss_sum / accum).item()
+    verdict = guard.check(loss_value, grad_norm)
+    committed = hooks.commit()
+    applied = (verdict is None if apply is None else apply) and committed
+    if applied:
+        optimizer.step()
+        guard.record_good(loss_value, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(lr, loss_value, grad_norm, verdict, committed, applied)
+
+
+def _average_ranks(
+    losses: list[torch.Tensor], grads: list[list[torch.Tensor | None]], params: list[nn.Parameter]
+) -> torch.Tensor:
+    """Average the ranks' loss sums and gradients (into `params`) as the all-reduce does; the mean loss sum.
+
+    A sum of two floats does not depend on their order and halving is exact, so with 2 ranks this is the
+    collective's result bit for bit."""
+    ranks = len(losses)
+    loss_sum = losses[0]
+    for other in losses[1:]:
+        loss_sum = loss_sum + other
+    loss_sum = loss_sum / ranks
+    for i, p in enumerate(params):
+        parts = [grad for g in grads if (grad := g[i]) is not None]
+        if parts:
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            p.grad = total / ranks
+    return loss_sum
