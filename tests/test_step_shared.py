@@ -10,6 +10,7 @@ that the comparison does catch such a one-sided change.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def test_a_change_on_one_side_only_is_caught(runs, change):
     if change == "clip":
         replayer.cfg.optim.grad_clip = 2.0
     else:
-        replayer.grad_accum = 1  # each micro-batch's loss no longer divided by the 2 micro-batches
+        # each micro-batch's loss no longer divided by the 2 micro-batches
+        replayer.shape = dataclasses.replace(replayer.shape, grad_accum=1)
     with pytest.raises(AssertionError, match="replayed"):
         assert_bitwise(replay_each_step(runs["accum"], replayer))

@@ -18,8 +18,8 @@ from tenx.train.callbacks.record import read_steps, step_digest
 from tenx.train.run import train
 from tenx.triage.bisect import bisect_step, run_repro
 from tenx.triage.classify import triage
-from tenx.triage.replay import replay
 from tenx.triage.incident_store import list_incidents
+from tenx.triage.replay import replay
 
 BASE = ("train.steps=12", "checkpoint.every=5", "train.eval_every=0", "train.threads=1")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from tenx import rundir
 from tenx.data.manifest import read_manifest
-from tenx.data.prepare.pipeline import CleaningStats, clean_text
+from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError

@@ -27,8 +27,8 @@ from torch import nn
 from tenx.errors import DataError
 from tenx.model.transformer import lm_loss
 from tenx.parallel.distributed import full_value
-from tenx.train.guard import StepGuard
 from tenx.train.optim import OptimConfig, lr_at
+from tenx.train.parts import ModelParts, RunShape
 
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -87,28 +87,26 @@ class StepResult:
 def take_step(
     step: int,
     micro_batches: Sequence[Iterable[Batch]],
-    *,
-    model: nn.Module,
-    raw_model: nn.Module,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    guard: StepGuard,
+    trained: ModelParts,
+    shape: RunShape,
     optim: OptimConfig,
-    total_steps: int,
-    accum: int,
-    z_loss: float,
     device: torch.device,
     hooks: StepHooks | None = None,
     apply: bool | None = None,
 ) -> StepResult:
     """Take optimizer step `step` (counted from 1) over `micro_batches` (inputs, targets) per rank.
 
-    `model` is what forward and backward run through (set to training mode), `raw_model` the transformer
-    whose gradients are clipped. `apply`: None takes the update when the guard and the commit allow it;
-    True/False decide it (replay: as the record says).
+    `trained` is what training builds (tenx.train.parts.build_model_parts): `trained.model` is what
+    forward and backward run through (set to training mode), `trained.forward` what the forward calls,
+    `trained.raw_model` the transformer whose gradients are clipped. `shape` gives the micro-batches per
+    step, the schedule's length and the z-loss. `apply`: None takes the update when the guard and the
+    commit allow it; True/False decide it (replay: as the record says).
     """
     hooks = hooks if hooks is not None else StepHooks()
-    lr = lr_at(step - 1, total_steps, optim)
+    model, raw_model, forward = trained.model, trained.raw_model, trained.forward
+    optimizer, guard = trained.optimizer, trained.guard
+    accum, z_loss = shape.grad_accum, shape.model_cfg.z_loss
+    lr = lr_at(step - 1, shape.total_steps, optim)
     for group in optimizer.param_groups:
         group["lr"] = lr
     model.train()

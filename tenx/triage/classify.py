@@ -32,9 +32,9 @@ from tenx.errors import TenxError
 from tenx.model.transformer import lm_loss
 from tenx.rundir import RunDir
 from tenx.triage.bisect import bisect_step
+from tenx.triage.incident_store import Incident, IncidentStore
 from tenx.triage.outcome import StepOutcome, outcome_of_crash
 from tenx.triage.replay import Replayer, replay
-from tenx.triage.incident_store import Incident, IncidentStore
 
 OUTLIER_Z = 6.0
 """A batch whose loss is this many standard deviations above other batches' is anomalous data."""

@@ -136,7 +136,9 @@ class Replayer:
             max_tokens=self.cfg.data.max_unique_tokens,
             on_corrupt="skip",
         )
-        shape = run_shape(self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size)
+        self.shape = shape = run_shape(
+            self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size
+        )
         self.model_cfg = shape.model_cfg
         self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
         self.data_parallel, self.grad_accum, self.total_steps = (
@@ -210,6 +212,7 @@ class Replayer:
     def _fresh(self) -> None:
         """The run's initial state: seeded initialisation, built as build_parts builds it."""
         built = build_model_parts(self.cfg, self.model_cfg, self.device)
+        self.trained = built  # what take_step runs on; the names below are the same objects
         self.model, self.optimizer, self.guard = built.raw_model, built.optimizer, built.guard
         self.step = 0
 
@@ -386,16 +389,10 @@ class Replayer:
         result = take_step(
             step,
             [self._micro_batches(windows, rank) for rank in range(self.data_parallel)],
-            model=self.model,
-            raw_model=self.model,
-            forward=self.model,
-            optimizer=self.optimizer,
-            guard=self.guard,
-            optim=self.cfg.optim,
-            total_steps=self.total_steps,
-            accum=self.grad_accum,
-            z_loss=self.model_cfg.z_loss,
-            device=self.device,
+            self.trained,
+            self.shape,
+            self.cfg.optim,
+            self.device,
             hooks=StepHooks(
                 forward_context=self._forward_context,
                 loop_context=lambda: self._executing(capture),

@@ -25,7 +25,6 @@ from tenx.data.manifest import (
     verify_split,
 )
 from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD, INDEX_FILE, load_index, remove_stale_indexes
-from tenx.data.prepare.clean import BINARY_SNIFF_BYTES, CleaningStats, clean_text  # noqa: F401 - re-exported
 from tenx.data.prepare.dedup import group_splits, groups_from_signatures
 from tenx.data.prepare.engine import merge_scan, merge_tokenize, run_stage
 from tenx.data.prepare.partitioned import Partitions, decontaminate_partitions, fill, write_index

@@ -15,6 +15,14 @@ single-threaded BLAS), laws (the laws and size terms as columns of linear coeffi
 (schedules from an OptimConfig or a metrics lr column, progress variables, curves from run directories).
 """
 
+from tenx.scaling.curve.backtest import (
+    benchmark,
+    curve_error,
+    curves_by_budget,
+    protocol,
+    self_extrapolation_error,
+    split_error,
+)
 from tenx.scaling.curve.curve_laws import (
     DEFAULT_LAW,
     DEFAULT_PRIORS,
@@ -23,14 +31,6 @@ from tenx.scaling.curve.curve_laws import (
     SIZE_LAWS,
     Law,
     design,
-)
-from tenx.scaling.curve.backtest import (
-    benchmark,
-    curve_error,
-    curves_by_budget,
-    protocol,
-    self_extrapolation_error,
-    split_error,
 )
 from tenx.scaling.curve.extrapolate import (
     PRIOR_SD,
