@@ -35,7 +35,7 @@ from tenx.train.config import load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.run import train
 from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
-from tenx.utils.io import atomic_write_json
+from tenx.utils.io import atomic_write_json, read_json_object
 
 _RESERVE_S = 20.0  # xz -9e on the held-out bytes, the loss plot, the trainer's start-up (measured: 15 s)
 _LOOP_EFFICIENCY = 0.95  # steps took 99% of a quickstart run's loop; the rest covers a probe that ran fast
@@ -102,7 +102,7 @@ def quickstart(
     xz_bpb = xz_bits_per_byte(b"".join(documents))
     xz_doc_bpb = xz_bits_per_byte_per_document(documents)
     curve = plot_loss_curve(run.metrics, out / rundir.LOSS_CURVE, f"tenx quickstart ({source})")
-    prequential = _read_json(run.prequential)
+    prequential = read_json_object(run.prequential)
     same = prequential.get("same_bytes") or {}
 
     summary = {
@@ -139,14 +139,6 @@ def quickstart(
         f"wall time: {summary['wall_seconds']:.0f} s ({summary['wall_seconds'] / 60:.1f} min) on {cpu_name()}"
     )
     return summary
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _prequential_line(prequential: dict[str, Any], same: dict[str, Any]) -> str:

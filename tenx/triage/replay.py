@@ -28,7 +28,6 @@ one-shot event (what replay exists to tell apart) and is not.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -57,6 +56,7 @@ from tenx.train.guard import StepGuard
 from tenx.train.parts import build_model_parts, run_shape
 from tenx.train.step import StepHooks, take_step
 from tenx.triage.outcome import StepOutcome, outcome_of_record
+from tenx.utils.io import read_json_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-9}
@@ -114,7 +114,7 @@ class Replayer:
         self.cfg: RunConfig = load_run_config(self.rundir.config)
         self.reference = reference
         self.notes: list[str] = []
-        prov = _read_json(self.rundir.provenance)
+        prov = read_json_object(self.rundir.provenance)
         tc = self.cfg.train
         threads = tc.threads or int(prov.get("hardware", {}).get("torch_threads") or 0)
         if threads:
@@ -465,20 +465,12 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def step_windows(replayer: Replayer, step: int, record: dict[str, Any] | None, chain: dict[int, Any]) -> list:
     """The data of `step`: its record's windows, else those after the previous step's end position."""
     if record is not None and record.get("windows"):
         return record["windows"]
     previous = chain.get(step - 1)
-    skips_file = _read_json(replayer.rundir.data_skips).get("skips", [])
+    skips_file = read_json_object(replayer.rundir.data_skips).get("skips", [])
     if previous is None:
         if step != 1:
             raise TenxError(

@@ -75,6 +75,16 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON file's object, or {} when it is missing, unreadable, not JSON or not an object: for optional
+    records (a run's provenance, a data-skips file) whose absence means "nothing recorded"."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def staging_dir(final: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The sibling `.NAME.tmp-TAG` in which a directory `final` is built before publish_dir (TAG: a fresh
     unique one when not given; a fixed one lets several processes write into the same staging directory)."""
