@@ -34,7 +34,7 @@ from tenx.parallel.distributed import broadcast_object
 from tenx.rundir import step_of
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
-from tenx.train.parts import Part, TrainerParts, memory_tier_dir
+from tenx.train.parts import TrainerParts, memory_tier_dir
 from tenx.train.rng import numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
@@ -85,8 +85,6 @@ class TrainerState(TrainerParts):
     """The checkpoint the state was last loaded from."""
     _rollback_due: bool
     """The guard saw max_bad_steps bad steps in a row: the loop calls `rollback` at the step's end."""
-    _data_skips = Part[list[list[int]]]("data.skips")
-    """The same list as `data_skips` (rollback's name for it)."""
 
     def _emit(self, event: str, *args: Any) -> None:
         raise NotImplementedError  # the Trainer dispatches hook events to its callbacks
@@ -115,8 +113,8 @@ class TrainerState(TrainerParts):
                 "before them to roll back to; save checkpoints more often (checkpoint.every)"
             )
         from_step = self.step
-        self._data_skips.append(skip)
-        atomic_write_json(self.rundir.data_skips, {"skips": self._data_skips})
+        self.data_skips.append(skip)
+        atomic_write_json(self.rundir.data_skips, {"skips": self.data_skips})
         self.load_checkpoint(target, source="rollback")
         self.events.emit(
             "rollback",
