@@ -324,3 +324,35 @@ def test_one_jsonl_reader():
         "seq = json.loads(ids.readline())",
     ]
     assert [_json_lines_read(ast.parse(s)) for s in samples] == [[2], [2], [1]]
+
+
+# Public names defined in more than one module because they mean the same thing in each: every package's
+# `register(subparsers)` (tenx/cli.py lists them) and the `main` of the two entry points.
+SAME_MEANING = {"register", "main"}
+
+
+def test_no_public_name_means_two_things():
+    """A public function or class is defined in one module only (SAME_MEANING: a role shared by design)."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(str(path.relative_to(ROOT.parent)))
+    twice = {name: where for name, where in defined.items() if len(where) > 1 and name not in SAME_MEANING}
+    assert not twice, "one name, one idea: rename by role or share one definition:\n" + "\n".join(
+        f"{name}: {', '.join(where)}" for name, where in sorted(twice.items())
+    )
+
+
+def test_module_names_say_their_role():
+    """No two modules share a file name (`watch`, `stats`, `laws`, `store`, `run` each once) outside the
+    per-package roles: each room's cli, config and manifest (of its own files), and train/callbacks/, whose
+    modules are named after the concern they attach to the loop."""
+    roles = {"__init__", "cli", "config", "manifest"}
+    callbacks = ROOT / "train" / "callbacks"
+    names: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.stem in roles or path.parent == callbacks:
+            continue
+        names.setdefault(path.stem, []).append(str(path.relative_to(ROOT.parent)))
+    assert not {k: v for k, v in names.items() if len(v) > 1}, names

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tenx.errors import TenxError
+from tenx.utils.net import url_host
 from tenx.utils.tensors import local_tensor
 
 FORMAT = "tenx-peer/1"
@@ -232,11 +233,6 @@ def read_secret() -> bytes | None:
             "print(secrets.token_hex(32))'`), the same in every replica group"
         )
     return raw.encode()
-
-
-def url_host(host: str) -> str:
-    """`host` as it goes in a URL (IPv6 addresses in brackets)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 # ----- the transport --------------------------------------------------------------------------------

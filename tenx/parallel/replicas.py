@@ -39,7 +39,7 @@ from torch import nn
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.parallel.outer import resolve_outer
-from tenx.parallel.peer_transport import TensorTransport, read_secret, url_host
+from tenx.parallel.peer_transport import TensorTransport, read_secret
 from tenx.parallel.pseudograd import PseudoGradDtype, check_pseudo_grad, counting_manager, make_codec
 from tenx.parallel.torchft_glue import (
     _fragments,
@@ -49,6 +49,7 @@ from tenx.parallel.torchft_glue import (
     quiet_torchft,
     store_on_host,
 )
+from tenx.utils.net import url_host
 from tenx.utils.tensors import local_tensor
 
 GROUP_ENV = "TENX_REPLICA_GROUP"

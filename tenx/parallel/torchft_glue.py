@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from tenx.errors import ConfigError, TenxError
-from tenx.parallel.peer_transport import PeerStateError, url_host
+from tenx.parallel.peer_transport import PeerStateError
+from tenx.utils.net import url_host
 
 _PATCH_LOCK = threading.Lock()
 

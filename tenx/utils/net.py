@@ -27,5 +27,5 @@ def parse_bind(text: str, flag: str = "--bind", example: str = "127.0.0.1:8050")
 
 
 def url_host(host: str) -> str:
-    """`host` as it goes in a URL: an IPv6 address in brackets."""
-    return f"[{host}]" if ":" in host else host
+    """`host` as it goes in a URL: an IPv6 address in brackets (once)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
