@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
+from tenx.monitor.metrics_file import read_metrics
+from tenx.rundir import RunDir
 
 
 def run(label: str, launcher: list[str], args: list[str], run_dir: Path, threads: int | None) -> dict:
@@ -35,7 +37,7 @@ def run(label: str, launcher: list[str], args: list[str], run_dir: Path, threads
     )
     if out.returncode != 0:
         sys.exit(f"{label} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(RunDir(run_dir).metrics)
     steady = [r["tokens_per_s"] for r in rows[len(rows) // 3 :]]
     return {"label": label, "tokens_per_s": statistics.median(steady), "loss": rows[-1]["loss"]}
 
