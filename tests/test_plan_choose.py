@@ -135,16 +135,26 @@ def test_step_peak_matches_the_tensors_pytorch_allocates(name, micro_batch):
 def test_measure_fits_the_factors_and_the_next_plan_uses_them(tiny_data, tmp_path):
     env = {**os.environ, "TENX_CACHE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "tenx", "plan", "--config", "tiny", "--set", f'data.dir="{tiny_data}"']
-    out = subprocess.run(
-        [*cmd, "--cluster", "cpu", "--measure", "--steps", "4"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
-    ratios = [line.split() for line in out.splitlines() if line.startswith("micro-batch")]
-    # after the fit (two points, two unknowns each; a bound can clip one, e.g. memory that did not grow)
-    assert len(ratios) == 2 and all(0.9 <= float(r[i]) <= 1.1 for r in ratios for i in (-4, -1)), out
+
+    def within_10_percent_after_the_fit() -> tuple[bool, str]:
+        out = subprocess.run(
+            [*cmd, "--cluster", "cpu", "--measure", "--steps", "4"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        ).stdout
+        ratios = [line.split() for line in out.splitlines() if line.startswith("micro-batch")]
+        # after the fit (two points, two unknowns each; a bound can clip one, e.g. memory that did not grow)
+        return len(ratios) == 2 and all(0.9 <= float(r[i]) <= 1.1 for r in ratios for i in (-4, -1)), out
+
+    # Peak RSS is noisy: in about one full-suite run in three (2 cores, tests before it in the process
+    # tree), the larger micro-batch measured less memory than the smaller one, which no two-factor fit can
+    # match. Measure again once before calling the fit wrong; a real misfit fails both times.
+    ok, out = within_10_percent_after_the_fit()
+    if not ok:
+        ok, out = within_10_percent_after_the_fit()
+    assert ok, out
     saved = json.loads((tmp_path / "plan-calibration.json").read_text())["cpu-2core"]
     assert 0 < saved["compute_efficiency"] <= 1 and saved["runtime_gb"] > 0
     again = subprocess.run([*cmd, "--cluster", "cpu"], capture_output=True, text=True, env=env, check=True)
