@@ -141,11 +141,6 @@ class Replayer:
         )
         self.model_cfg = shape.model_cfg
         self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
-        self.data_parallel, self.grad_accum, self.total_steps = (
-            shape.data_parallel,
-            shape.grad_accum,
-            shape.total_steps,
-        )
         self.bitwise = not reference and (
             self.data_parallel <= 2 and self.strategy in ("none", "ddp", "single")
         )
@@ -207,6 +202,18 @@ class Replayer:
         if type(record.get("skips", 0)) is not int or not isinstance(record.get("time", 0.0), (int, float)):
             raise bad("skips/time")
         return record
+
+    @property
+    def data_parallel(self) -> int:
+        return self.shape.data_parallel
+
+    @property
+    def grad_accum(self) -> int:
+        return self.shape.grad_accum
+
+    @property
+    def total_steps(self) -> int:
+        return self.shape.total_steps
 
     # ----- state ------------------------------------------------------------------------------------
     def _fresh(self) -> None:
