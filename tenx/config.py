@@ -265,6 +265,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def drop_replaced_alternatives(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Remove from `data` (in place) the values that `overrides` replace by setting an alternative to them.
+
+    A config node lists its mutually exclusive fields as `ALTERNATIVES`, a tuple of groups of field names.
+    Overrides that set two of one group are left to the node's own check, which refuses them."""
+    overridden = {tuple(parse_override(text)[0]) for text in overrides}
+    for keys in overridden:
+        node_cls: Any = cls
+        for k in keys[:-1]:
+            hints = get_type_hints(node_cls) if dataclasses.is_dataclass(node_cls) else {}
+            node_cls = hints.get(k)
+        if node_cls is None or not dataclasses.is_dataclass(node_cls):
+            continue
+        node: Any = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        for group in getattr(node_cls, "ALTERNATIVES", ()):
+            if keys[-1] in group:
+                for other in group:
+                    if other != keys[-1] and (*keys[:-1], other) not in overridden:
+                        node.pop(other, None)
+    return data
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file, naming it in any error."""
     path = Path(path)
@@ -294,8 +320,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def load(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
-    """Load config tree `cls` from an optional TOML file plus overrides, then validate it."""
+    """Load config tree `cls` from an optional TOML file plus overrides, then validate it.
+
+    An override of one of a node's `ALTERNATIVES` (train.steps or train.tokens) replaces the file's value
+    of the others: `--set train.steps=40` shortens a config that sets a token budget."""
     data = read_toml(path) if path is not None else {}
+    drop_replaced_alternatives(cls, data, overrides or [])
     apply_overrides(data, overrides or [])
     source = str(path) if path is not None else "<defaults>"
     try:

@@ -188,3 +188,22 @@ def test_supervisor_section_flags_and_docs(capsys):
     argv = ["train", "--config", "tiny", "--set", "train.steps=1", "--supervise", "--max-restarts", "-1"]
     assert main(argv) == 2  # before any child starts
     assert "tenx: error: supervisor.max_restarts: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_set_steps_replaces_a_token_budget_and_the_reverse(tmp_path):
+    """`--set train.steps=N` shortens a config that sets train.tokens (and the reverse); both at once on the
+    command line are still refused, naming the field."""
+    from tenx.train.config import load_run_config
+
+    path = tmp_path / "budget.toml"
+    path.write_text("[train]\ntokens = 1000000\n\n[optim]\nlr = 1e-3\n")
+    cfg = load_run_config(path, ["train.steps=40"])
+    assert (cfg.train.steps, cfg.train.tokens) == (40, None)
+    path.write_text("[train]\nsteps = 2000\n")
+    cfg = load_run_config(path, ["train.tokens=4096"])
+    assert (cfg.train.steps, cfg.train.tokens) == (None, 4096)
+    with pytest.raises(ConfigError, match=r"train\.steps: set only one of train.steps and train.tokens"):
+        load_run_config(path, ["train.tokens=4096", "train.steps=3"])
+    path.write_text("[train]\nsteps = 2000\ntokens = 5\n")  # both in the file: still the user's mistake
+    with pytest.raises(ConfigError, match=r"set only one of train.steps and train.tokens"):
+        load_run_config(path, ["optim.lr=1e-3"])

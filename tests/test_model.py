@@ -94,3 +94,53 @@ def test_depth_derives_hardware_friendly_sizes():
     assert count_params(small).total < 150_000  # ~0.1M with a byte vocabulary
     assert count_params(ModelConfig(family="llama", depth=24).resolved(32000)).total > 0.7e9
     assert round_up(257) == 320 and round_up(320) == 320
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+@pytest.mark.parametrize("chunk_elements", [45 * 64 - 1, 7 * 64])  # one chunk; several, the last short
+def test_linear_cross_entropy_equals_the_plain_loss_and_its_gradients(monkeypatch, z_loss, chunk_elements):
+    """The chunked output layer + loss gives lm_loss's values and gradients (float64: to rounding)."""
+    from tenx.model import transformer
+
+    monkeypatch.setattr(transformer, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(45, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 64, (45,), generator=g)
+    loss, ce = transformer.linear_cross_entropy(x, w, t, z_loss, torch.float64)
+    (loss * 3.0).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ref_loss, ref_ce = lm_loss((x @ w.t())[None], t[None], z_loss, torch.float64)
+    (ref_loss * 3.0).backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-12) and torch.allclose(ce, ref_ce, rtol=1e-12)
+    assert torch.allclose(gx, x.grad, rtol=1e-10, atol=1e-14)
+    assert torch.allclose(gw, w.grad, rtol=1e-10, atol=1e-14)
+    assert not ce.requires_grad and loss.requires_grad
+    with torch.no_grad():  # evaluation: no gradients are made
+        assert torch.allclose(transformer.linear_cross_entropy(x, w, t, z_loss, torch.float64)[1], ref_ce)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_model_loss_with_targets_matches_logits_then_loss_in_bf16_autocast(monkeypatch, chunked):
+    """forward(tokens, targets) under bf16 autocast: the loss of forward(tokens)'s logits, to bf16 rounding,
+    and the same parameter gradients to a bf16 tolerance (tied embeddings: both paths of the weight)."""
+    from tenx.model import transformer
+
+    if chunked:
+        monkeypatch.setattr(transformer, "CHUNK_ELEMENTS", 5 * 256)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(family="gpt2", depth=2, seq_len=32, z_loss=1e-4).resolved(256))
+    tokens = torch.randint(0, 256, (2, 33))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ce = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+    ref_loss, ref_ce = lm_loss(logits, tokens[:, 1:], 1e-4)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-3 and abs(ce.item() - ref_ce.item()) < 1e-3
+    for name, p in model.named_parameters():
+        assert torch.allclose(fused[name], p.grad, rtol=0.05, atol=2e-4), name

@@ -241,7 +241,7 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     import torch
 
     from tenx.hardware import pick_device, resolve_precision, tune_cpu_allocator
-    from tenx.model.transformer import Transformer, lm_loss
+    from tenx.model.transformer import Transformer
     from tenx.train.optim import build_optimizer
 
     device = pick_device(cfg.train.device)
@@ -257,8 +257,7 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
 
     def step() -> None:
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            logits = model(x[:, :-1])
-        loss, _ = lm_loss(logits, x[:, 1:], model_cfg.z_loss)  # the training step's own loss
+            loss, _ = model(x[:, :-1], x[:, 1:])  # the training step's own forward and loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -46,6 +46,9 @@ def resolve_config_path(name: str) -> Path:
 @dataclass
 class TrainConfig:
     """The training loop: budget, batch, device, precision."""
+
+    ALTERNATIVES: ClassVar[tuple[tuple[str, ...], ...]] = (("steps", "tokens"),)
+    """Either budget; `--set` of one replaces the other's value from the config file."""
 
     steps: int | None = field(None, ge=1, help="optimizer steps to train (or give `tokens`)")
     tokens: int | None = field(None, ge=1, help="token budget; steps = ceil(tokens / tokens per step)")

@@ -2,7 +2,7 @@
 
 The Trainer (tenx/train/trainer.py) and `tenx replay` (tenx/triage/replay.py) both call `take_step`, so a
 replayed step is the trained step by construction, not by two copies edited together. It owns the math:
-the learning rate from lr_at, the micro-batch loop (forward, lm_loss, (loss / accum).backward(), the loss
+the learning rate from lr_at, the micro-batch loop (forward with the loss, (loss / accum).backward(), the loss
 sum), the gradient clip, the guard's check and whether the update is applied. What differs between the two
 callers comes in as `StepHooks`: the trainer's gradient-sync context per micro-batch and its reductions
 across ranks and replica groups; replay's reference path (float64 loss, math attention), its op-bug library
@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from tenx.errors import DataError
-from tenx.model.transformer import lm_loss
 from tenx.parallel.distributed import full_value
 from tenx.train.optim import OptimConfig, lr_at
 from tenx.train.parts import ModelParts, RunShape
@@ -105,7 +104,7 @@ def take_step(
     hooks = hooks if hooks is not None else StepHooks()
     model, raw_model, forward = trained.model, trained.raw_model, trained.forward
     optimizer, guard = trained.optimizer, trained.guard
-    accum, z_loss = shape.grad_accum, shape.model_cfg.z_loss
+    accum = shape.grad_accum
     lr = lr_at(step - 1, shape.total_steps, optim)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -120,9 +119,8 @@ def take_step(
                 loss_sum = torch.zeros((), device=device, dtype=hooks.loss_dtype)
                 for i, (inputs, targets) in enumerate(batches):
                     with hooks.gradient_sync(i == accum - 1):
-                        with hooks.forward_context():
-                            logits = forward(inputs)
-                        loss, ce = lm_loss(logits, targets, z_loss, hooks.loss_dtype)
+                        with hooks.forward_context():  # the output layer and the loss, fused, inside
+                            loss, ce = forward(inputs, targets, loss_dtype=hooks.loss_dtype)
                         (loss / accum).backward()
                     loss_sum += ce.detach()
                 losses.append(loss_sum)

@@ -30,7 +30,6 @@ import torch
 
 from tenx.data.loader import sequential_windows
 from tenx.hardware import resolve_precision
-from tenx.model.transformer import lm_loss
 from tenx.monitor.goodput import process_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
@@ -226,8 +225,7 @@ class Trainer(TrainerState):
             self.val_stream, self.model_cfg.seq_len, self.cfg.train.micro_batch, self.cfg.train.eval_batches
         ):
             with self.autocast():
-                logits = self.forward(inputs.to(self.device))
-            _, ce = lm_loss(logits, targets.to(self.device))
+                _, ce = self.forward(inputs.to(self.device), targets.to(self.device))
             total += ce.item() * targets.numel()
             count += targets.numel()
         if self.strategy == "fsdp":  # a forward without backward leaves the root's parameters gathered
