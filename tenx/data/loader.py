@@ -322,13 +322,19 @@ class TokenLoader:
                 "re-run `tenx data prepare`"
             )
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch: inputs and next-token targets, int64 (B, T)."""
+    def next_batch(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next micro-batch: inputs and next-token targets, int64 (B, T), on `device` (default:
+        the host). To a GPU the (B, T+1) window block goes in one copy from pinned memory that does not
+        block the host, and inputs and targets are views of it there."""
         ids = self._take_windows(self.micro_batch * self.world_size)
         self.last_global_windows = ids
         self.last_windows = ids[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
         rows = np.stack([self.stream.read(w * self.seq_len, self.seq_len + 1) for w in self.last_windows])
         tokens = torch.from_numpy(rows)
+        if device is not None and device.type == "cuda":
+            tokens = tokens.pin_memory().to(device, non_blocking=True)
+        elif device is not None and device.type != "cpu":
+            tokens = tokens.to(device)
         return tokens[:, :-1], tokens[:, 1:]
 
     def describe_windows(self, ids: list[int]) -> list[dict[str, Any]]:

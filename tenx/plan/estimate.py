@@ -19,7 +19,11 @@ of h per token, so `15·h·bytes(dtype)` per token and layer, times `activation_
 checkpointing each layer keeps only its input (bytes(dtype)·h per token) and one layer is recomputed at a
 time. The output layer adds the fp32 logits and their log-softmax: 2·4·V per token; while the loss's
 backward runs, the gradients of both are alive too (another 2·4·V per token; measured by tracking every
-tensor's storage through a TorchDispatchMode: the step's peak on tiny and quickstart is there).
+tensor's storage through a TorchDispatchMode: the step's peak on tiny and quickstart is there). Above
+64M logits per micro-batch (gpt2-d12, llama-1b) the output layer and the loss run in chunks that never hold
+them all (tenx.model.transformer.linear_cross_entropy): what stays is the fp32 gradients of the last
+hidden state and of the output weight, 4·h·(tokens + V), and one chunk's logits in fp32 with their 16-bit
+gradient copy, 6 bytes per logit.
 
 The peak of a step is the states (parameters, optimizer moments, gathered FSDP blocks) plus the larger of
 two transients: the loss's backward (every activation, the logits and their gradients; the gradients only
@@ -54,6 +58,7 @@ from tenx.config import field
 from tenx.errors import ConfigError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
+from tenx.model.transformer import CHUNK_ELEMENTS
 from tenx.train.config import RunConfig
 
 GB = 1e9
@@ -167,7 +172,14 @@ def memory_per_rank(
         activations = tokens * (layers * h * act + per_layer)
     else:
         activations = tokens * layers * per_layer
-    logits = tokens * model.vocab_size * 4 * 2 * activation_factor  # fp32 logits and their log-softmax
+    if tokens * model.vocab_size <= CHUNK_ELEMENTS:
+        logits = tokens * model.vocab_size * 4 * 2 * activation_factor  # fp32 logits and their log-softmax
+        # the log-softmax's backward holds the gradients of its output and of the logits (fp32) at once
+        loss_backward = logits
+    else:  # chunked (tenx.model.transformer.linear_cross_entropy): the gradients it keeps, one chunk's logits
+        chunk = CHUNK_ELEMENTS // model.vocab_size * model.vocab_size
+        logits = (4 * h * (tokens + model.vocab_size) + 6 * chunk) * activation_factor
+        loss_backward = 0.0
     block_params = (params - count_params(model).embedding - count_params(model).lm_head) / layers
     parts = {
         "parameters": 4 * params / shard,
@@ -178,8 +190,7 @@ def memory_per_rank(
         "buckets": 4 * params if strategy == "ddp" and ranks > 1 else 0.0,
         "activations": activations,
         "logits": logits,
-        # the log-softmax's backward holds the gradients of its output and of the logits (fp32) at once
-        "loss_backward": tokens * model.vocab_size * 4 * 2 * activation_factor,
+        "loss_backward": loss_backward,
         # at the update: AdamW's temporaries (fused and foreach alike, one fp32 value per local parameter) and,
         # on a statistics step (monitor.stats_every > 0), the statistics' snapshot of the parameters
         "update": 4 * params / shard * (2 if statistics else 1),

@@ -125,17 +125,13 @@ class Trainer(TrainerState):
         self.in_flight = {"step": self.step + 1, "position": [position, None], "windows": windows, "all": []}
         batches = []  # the step's data is read first, so a crash record names all of it
         for _ in range(self.grad_accum):
-            batches.append(self.loader.next_batch())
+            batches.append(self.loader.next_batch(self.device))
             windows.extend(self.loader.last_windows)
             self.in_flight["all"].append(self.loader.last_global_windows)
         self.in_flight["position"][1] = self.loader.position
-        on_device = (
-            (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
-            for inputs, targets in batches
-        )
         result = take_step(
             self.step + 1,
-            [on_device],
+            [batches],
             self.parts.trained,
             self.parts.shape,
             self.cfg.optim,

@@ -295,7 +295,10 @@ class FaultInjector(Callback):
         elif kind in ("nan", "spike"):
             factor = math.nan if kind == "nan" else spec.factor
             self._record(trainer, spec, step, factor=factor)
-            self._hooks.append(trainer.model.register_forward_hook(_scale_output(factor)))
+            # the last hidden state scaled is the logits scaled (they are its product with the output
+            # weight), and the loss the model's forward computes from them sees it
+            final_norm = trainer.raw_model.final_norm
+            self._hooks.append(final_norm.register_forward_hook(_scale_output(factor)))
         elif kind == "corrupt-checkpoint":
             from tenx.checkpoint import list_checkpoints
 
