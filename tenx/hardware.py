@@ -1,4 +1,5 @@
-"""What the hardware can do: device choice, bf16 support, and peak matmul FLOP/s for MFU.
+"""What the hardware can do: device choice, bf16 and float64 support, copies to a GPU that do not block, and
+peak matmul FLOP/s for MFU.
 
 On a GPU the peak is the vendor's dense figure for the dtype; on a CPU there is no such figure, so each run
 measures a square matmul briefly on the threads torch uses, and a cache per (CPU, threads, dtype, torch)
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -19,9 +21,12 @@ import torch
 from tenx.errors import ConfigError
 from tenx.utils.io import atomic_write_json
 
-# Dense (non-sparse) peak FLOP/s by GPU name substring; bf16 and tf32/fp32.
+# Dense (non-sparse) peak FLOP/s by GPU model, as torch.cuda.get_device_name spells it; bf16 and fp32.
+# The first model named in the device name wins (gpu_peak), so a variant precedes its family.
 GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
     ("H200", {"bf16": 989e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp32": 51e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp32": 60e12}),
     ("H100", {"bf16": 989e12, "fp32": 67e12}),
     ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
     ("L40S", {"bf16": 362e12, "fp32": 91.6e12}),
@@ -84,14 +89,37 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype for 'auto' | 'fp32' | 'bf16' on `device`."""
+    """The autocast dtype for 'auto' | 'fp32' | 'bf16' | 'fp8' on `device`. 'fp8' autocasts to bf16: its fp8
+    matmuls are those of the linears tenx.train.float8 converts, everything else runs in bf16 (and MFU is
+    taken against the bf16 peak)."""
     if precision == "fp32":
         return torch.float32
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):
         return torch.bfloat16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
+        return torch.bfloat16 if gpu_has_bf16(device) else torch.float32
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def gpu_has_bf16(device: torch.device) -> bool:
+    """True when CUDA device `device` (its index; the current GPU without one) has bf16 tensor cores:
+    compute capability 8.0 (Ampere) or later, or any ROCm GPU. `torch.cuda.is_bf16_supported` is not
+    used: it asks the current GPU, which is not `device` for a job on `cuda:1` that never selected it."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`. To a GPU in one copy from pinned memory that does not block the host (a
+    blocking copy waits for all the GPU's queued work first); torch's pinned-memory cache keeps the pinned
+    buffer until the copy has run. On the CPU, `t` itself."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def float64_device(device: torch.device) -> torch.device:
+    """Where float64 math on `device`'s tensors can run: `device`, or the CPU for MPS (no float64 there)."""
+    return torch.device("cpu") if device.type == "mps" else device
 
 
 def cpu_name() -> str:
@@ -122,12 +150,12 @@ def measure_matmul_flops(
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)  # `device`'s queue, not the current GPU's
         t0 = time.perf_counter()
         for _ in range(4):
             a @ b
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
     return best
 
@@ -136,11 +164,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else the best measurement seen."""
     key_dtype = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for sub, peaks in GPU_PEAKS:
-            if sub in name:
-                return peaks[key_dtype]
-        return measure_matmul_flops(dtype, device, n=4096)
+        peaks = gpu_peak(torch.cuda.get_device_name(device))
+        return peaks[key_dtype] if peaks is not None else measure_matmul_flops(dtype, device, n=4096)
     key = f"{cpu_name()}|threads={torch.get_num_threads()}|{key_dtype}|torch={torch.__version__}"
     path = _cache_path()
     try:
@@ -155,6 +180,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         except OSError:
             pass  # the cache is an optimisation only
     return float(cache[key])
+
+
+def gpu_peak(name: str) -> dict[str, float] | None:
+    """The GPU_PEAKS entry of the GPU called `name` (torch.cuda.get_device_name), or None for a GPU not
+    listed. A model number must not run on into more digits: an RTX A1000 is not an A100, a T400 not a T4."""
+    for model, peaks in GPU_PEAKS:
+        if re.search(re.escape(model) + r"(?![0-9])", name):
+            return peaks
+    return None
 
 
 def hardware_summary(device: torch.device) -> dict[str, object]:

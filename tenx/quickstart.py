@@ -176,7 +176,7 @@ def _plan(
         atomic_write_json(path, plan)
         return plan
     cfg = load_run_config(resolve_config_path("quickstart"), settings)
-    device = pick_device(cfg.train.device)
+    device = pick_device(cfg.train.device, "train.device")
     precision = "bf16" if resolve_precision(cfg.train.precision, device) == torch.bfloat16 else "fp32"
     print(f"[2/4] measuring this machine's training speed ({cpu_name()}, {precision} matmuls)")
     manifest = read_manifest(data_dir)

@@ -21,8 +21,9 @@ from tenx.utils.io import describe_storage_problem
 def snapshot_tensors(tree: Any, into: Any = None) -> Any:
     """A copy of a nested dict/list/tuple of tensors in CPU memory that no later update of `tree` reaches.
 
-    CPU tensors are copied; CUDA tensors are copied into pinned memory without blocking, then waited for
-    once. Tensors that alias each other (tied embeddings) stay one tensor in the copy. Other leaves are
+    CPU tensors are copied; CUDA tensors are copied into pinned memory without blocking, then each GPU they
+    came from is waited for once (not the current GPU alone: a tensor on `cuda:1` is copied on device 1's
+    queue). Tensors that alias each other (tied embeddings) stay one tensor in the copy. Other leaves are
     shared as they are (they are immutable scalars and strings in a state dict).
 
     `into` is an earlier snapshot no longer in use: its tensors are overwritten where shape, dtype and
@@ -31,15 +32,15 @@ def snapshot_tensors(tree: Any, into: Any = None) -> Any:
     """
     copies: dict[int, torch.Tensor] = {}
     used: set[int] = set()  # a buffer aliased in `into` must not receive two different tensors
-    on_cuda = False
+    gpus: set[torch.device] = set()  # the devices whose copies are still running
 
     def copy(node: Any, old: Any) -> Any:
-        nonlocal on_cuda
         if isinstance(node, torch.Tensor):
             if id(node) not in copies:
                 source = node.detach()
                 pinned = source.device.type == "cuda"
-                on_cuda |= pinned
+                if pinned:
+                    gpus.add(source.device)
                 if _fits(old, source, pinned) and id(old) not in used:
                     target = old
                 else:
@@ -56,8 +57,8 @@ def snapshot_tensors(tree: Any, into: Any = None) -> Any:
         return node
 
     snapshot = copy(tree, into)
-    if on_cuda:
-        torch.cuda.synchronize()
+    for gpu in sorted(gpus, key=str):
+        torch.cuda.synchronize(gpu)
     return snapshot
 
 

@@ -27,6 +27,7 @@ import torch
 from tenx.config import field
 from tenx.data.manifest import check_token_ids, np_dtype, read_manifest, regular_file_size, verify_shard
 from tenx.errors import ConfigError, DataError
+from tenx.hardware import host_to_device
 
 _SKIP_HINT = 'or set data.on_corrupt_shard = "skip" to train around it'
 
@@ -331,10 +332,8 @@ class TokenLoader:
         self.last_windows = ids[self.rank * self.micro_batch : (self.rank + 1) * self.micro_batch]
         rows = np.stack([self.stream.read(w * self.seq_len, self.seq_len + 1) for w in self.last_windows])
         tokens = torch.from_numpy(rows)
-        if device is not None and device.type == "cuda":
-            tokens = tokens.pin_memory().to(device, non_blocking=True)
-        elif device is not None and device.type != "cpu":
-            tokens = tokens.to(device)
+        if device is not None:
+            tokens = host_to_device(tokens, device)
         return tokens[:, :-1], tokens[:, 1:]
 
     def describe_windows(self, ids: list[int]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tenx.data.loader import TokenStream
 from tenx.data.tokenizer import Tokenizer
+from tenx.hardware import host_to_device
 from tenx.model.transformer import Transformer
 
 
@@ -48,7 +49,10 @@ def _scored_windows(
     stride: int | None,
     amp_dtype: torch.dtype,
 ) -> Iterator[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]]:
-    """For each batch of windows: their (start, first scored position), per-position NLL and scored mask."""
+    """For each batch of windows: their (start, first scored position), per-position NLL and scored mask.
+
+    On a GPU the windows and the mask go over in non-blocking copies, so the host prepares the next batch
+    while the GPU still scores this one."""
     device = next(model.parameters()).device
     T = model.cfg.seq_len
     stride = min(stride or T, T)
@@ -57,7 +61,7 @@ def _scored_windows(
     if n_targets == 0:
         return
     length, plan = window_plan(n_targets, T, stride)
-    positions = torch.arange(length, device=device)
+    positions = np.arange(length)
     model.eval()
     batches = range(0, len(plan), batch_size)
     if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal, nothing in logs
@@ -66,12 +70,15 @@ def _scored_windows(
         batches = tqdm(batches, desc="eval", unit="batch", leave=False)
     for i in batches:
         chunk = plan[i : i + batch_size]
-        batch = torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])).to(device)
+        batch = host_to_device(
+            torch.from_numpy(np.stack([stream[s : s + length + 1] for s, _ in chunk])), device
+        )
+        first = np.array([f for _, f in chunk])
+        scored = host_to_device(torch.from_numpy(positions[None, :] >= first[:, None]), device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             logits = model(batch[:, :-1])
         nll = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-        first = torch.tensor([f for _, f in chunk], device=device)
-        yield chunk, nll.view(len(chunk), length), positions[None, :] >= first[:, None]
+        yield chunk, nll.view(len(chunk), length), scored
 
 
 def stream_nll(
@@ -88,10 +95,10 @@ def stream_nll(
     `stride` (default seq_len) is how far each window moves; a smaller stride gives every scored token at
     least seq_len - stride tokens of context, at seq_len / stride times the compute.
     """
-    total = 0.0
+    sums = []  # each batch's sum stays on the device: one copy to the host at the end, not one per batch
     for _, nll, mask in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
-        total += nll[mask].sum().item()
-    return total, len(tokens)
+        sums.append(torch.where(mask, nll, 0.0).sum())
+    return (sum(torch.stack(sums).tolist()) if sums else 0.0), len(tokens)
 
 
 def token_nll(
@@ -106,7 +113,7 @@ def token_nll(
     """The NLL (nats) of each token of `tokens`, scored as `stream_nll` scores them (float64 array)."""
     out = np.zeros(len(tokens), dtype=np.float64)
     for chunk, nll, _ in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
-        values = nll.double().cpu().numpy()
+        values = nll.cpu().double().numpy()  # float64 on the host: MPS has none
         for row, (start, first) in enumerate(chunk):
             out[start + first : start + nll.shape[1]] = values[row, first:]
     return out

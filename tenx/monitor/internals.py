@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tenx.hardware import host_to_device
+
 PREFIX = "stats"
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -76,7 +78,7 @@ def group_sums(values: torch.Tensor, index: Sequence[int], groups: int) -> torch
     """Per-group sums of `values` (fp32, which every device has), element i going to group index[i]."""
     out = torch.zeros(groups, dtype=torch.float32, device=values.device)
     if len(index):
-        idx = torch.as_tensor(list(index), dtype=torch.long, device=values.device)
+        idx = host_to_device(torch.as_tensor(list(index), dtype=torch.long), values.device)
         out.index_add_(0, idx, values.to(torch.float32))
     return out
 
@@ -89,7 +91,8 @@ def update_ratio(update_sq: float, param_sq: float) -> float:
 def activation_moments(x: torch.Tensor) -> torch.Tensor:
     """(sum of squares, element count, largest magnitude) of `x`, fp32, as a 3-vector on x's device."""
     x = x.detach().float()
-    return torch.stack([x.square().sum(), torch.tensor(float(x.numel()), device=x.device), x.abs().amax()])
+    count = torch.full((), float(x.numel()), device=x.device)  # filled there: no copy that waits for the GPU
+    return torch.stack([x.square().sum(), count, x.abs().amax()])
 
 
 def rms_and_max(moments: Sequence[float]) -> tuple[float, float]:

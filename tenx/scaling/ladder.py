@@ -244,7 +244,7 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     from tenx.model.transformer import Transformer
     from tenx.train.optim import build_optimizer
 
-    device = pick_device(cfg.train.device)
+    device = pick_device(cfg.train.device, "train.device")
     if device.type == "cpu":
         tune_cpu_allocator()
     model_cfg = cfg.model.resolved(vocab_size_of(cfg))
@@ -264,12 +264,12 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
 
     step()
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # `device`'s queue: on `cuda:1` the current GPU is another one
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     return steps * micro_batch * model_cfg.seq_len / (time.perf_counter() - t0)
 
 

@@ -136,8 +136,9 @@ def take_step(
     loss_sum = hooks.reduce(loss_sum)
     clip = optim.grad_clip if optim.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
-    # the step's one wait for the device: both figures in one copy (each float32 is exact in float64)
-    grad_norm, loss_value = torch.stack([full_value(norm).double(), (loss_sum / accum).double()]).tolist()
+    # the step's one wait for the device: both figures in one copy (stack promotes to the wider dtype, and
+    # MPS has no float64 of its own)
+    grad_norm, loss_value = torch.stack([full_value(norm), loss_sum / accum]).tolist()
     verdict = guard.check(loss_value, grad_norm)
     committed = hooks.commit()
     applied = (verdict is None if apply is None else apply) and committed

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
-from tenx.hardware import resolve_precision
+from tenx.hardware import host_to_device, resolve_precision
 from tenx.monitor.goodput import process_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
@@ -216,14 +216,19 @@ class Trainer(TrainerState):
         if self.val_stream is None:
             return None
         self.model.eval()
-        total, count = 0.0, 0
+        ces: list[torch.Tensor] = []  # each batch's loss stays on the device: one wait, at the end
+        sizes: list[int] = []
         for inputs, targets in sequential_windows(
             self.val_stream, self.model_cfg.seq_len, self.cfg.train.micro_batch, self.cfg.train.eval_batches
         ):
             with self.autocast():
-                _, ce = self.forward(inputs.to(self.device), targets.to(self.device))
-            total += ce.item() * targets.numel()
-            count += targets.numel()
+                _, ce = self.forward(
+                    host_to_device(inputs, self.device), host_to_device(targets, self.device)
+                )
+            ces.append(ce.detach())
+            sizes.append(targets.numel())
+        total = sum(ce * size for ce, size in zip(torch.stack(ces).tolist(), sizes, strict=True))
+        count = sum(sizes)
         if self.strategy == "fsdp":  # a forward without backward leaves the root's parameters gathered
             self.model.reshard()  # type: ignore[operator]
         self.model.train()

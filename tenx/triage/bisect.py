@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from tenx.errors import TenxError
+from tenx.hardware import float64_device
 from tenx.train.callbacks.record import frame_name
 from tenx.triage.outcome import StepOutcome
 from tenx.triage.replay import Replayer
@@ -122,9 +123,12 @@ def _op_name(func: Any) -> str:
 
 
 def _upcast(x: Any) -> Any:
-    if torch.is_tensor(x) and x.is_floating_point():
-        return x.detach().to(torch.float64)
-    return x
+    """A floating tensor in float64, on a device that has it (an MPS tensor, and its indices, on the CPU)."""
+    if not torch.is_tensor(x):
+        return x
+    if x.is_floating_point():
+        return x.detach().to(float64_device(x.device), torch.float64)
+    return x.to(float64_device(x.device))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -161,7 +165,7 @@ def compare_with_reference(
         if k < len(perturbed):
             limit = max(limit, 64 * _relative(perturbed[k], r))
         tol = max(tol, limit)
-        a64 = a.detach().to(torch.float64)
+        a64 = a.detach().to(r.device, torch.float64)  # where float64 runs: the CPU for an MPS tensor
         finite_r, finite_a = torch.isfinite(r), torch.isfinite(a64)
         representable = r.abs() <= torch.finfo(a.dtype).max
         if bool((finite_r & representable & ~finite_a).any()):
@@ -179,8 +183,8 @@ def perturb(args: Any, dtypes: Any) -> Any:
 
     def move(x: Any, dtype: Any) -> Any:
         if not (torch.is_tensor(x) and x.is_floating_point()):
-            return x
-        x64 = x.detach().to(torch.float64)
+            return _upcast(x)
+        x64 = x.detach().to(float64_device(x.device), torch.float64)
         noise = torch.rand(x64.shape, generator=gen, dtype=torch.float64).to(x64.device) * 2 - 1
         return x64 * (1 + noise * torch.finfo(dtype).eps)
 

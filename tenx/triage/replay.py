@@ -46,7 +46,7 @@ from tenx import checkpoint as ckpt
 from tenx import rundir as rd
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import CheckpointError, DataError, TenxError
-from tenx.hardware import pick_device
+from tenx.hardware import float64_device, pick_device
 from tenx.model.transformer import Transformer
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug
@@ -444,14 +444,22 @@ class Replayer:
         return torch.float64 if self.reference else torch.float32
 
     def to_reference(self) -> None:
-        """Switch the rebuilt state to the reference path: float64 parameters and optimizer state."""
+        """Switch the rebuilt state to the reference path: float64 parameters and optimizer state (moved to
+        the CPU from MPS, which has no float64)."""
         assert self.model is not None
         self.reference, self.amp_dtype, self.bitwise = True, torch.float64, False
-        self.model.double()
+        trained_on, device = self.device, float64_device(self.device)
+        if device != trained_on:
+            self.notes.append(f"{trained_on.type} has no float64: the reference path ran on the CPU")
+            self.device = device
+        self.model.to(device, torch.float64)
         for state in self.optimizer.state.values():
             for k, v in list(state.items()):
-                if torch.is_tensor(v) and v.is_floating_point() and k != "step":
-                    state[k] = v.double()
+                if torch.is_tensor(v):
+                    where = device if v.device.type == trained_on.type else v.device  # a CPU step count stays
+                    state[k] = v.to(
+                        where, torch.float64 if v.is_floating_point() and k != "step" else v.dtype
+                    )
 
 
 def _attention(reference: bool) -> contextlib.AbstractContextManager[Any]:
