@@ -278,7 +278,7 @@ def estimate(
     """Memory, communication, step time, MFU and throughput of `run` on `cluster` (see the module doc)."""
     model = run.model.resolved(vocab)
     ranks = ranks or cluster.accelerators
-    dtype = dtype or ("bf16" if run.train.precision in ("bf16", "auto") else "fp32")
+    dtype = dtype or ("bf16" if run.train.precision in ("bf16", "fp8", "auto") else "fp32")
     c, node = cluster.cluster, cluster.node
     params = count_params(model).total
     per_token = flops_per_token(model)

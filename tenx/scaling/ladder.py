@@ -242,6 +242,7 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
 
     from tenx.hardware import pick_device, resolve_precision, tune_cpu_allocator
     from tenx.model.transformer import Transformer
+    from tenx.train.float8 import convert_linears_to_float8
     from tenx.train.optim import build_optimizer
 
     device = pick_device(cfg.train.device, "train.device")
@@ -250,6 +251,8 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     model_cfg = cfg.model.resolved(vocab_size_of(cfg))
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device)
+    if cfg.train.precision == "fp8":  # the linears training converts, converted here too
+        convert_linears_to_float8(model, device)
     opt = build_optimizer(model, cfg.optim, device)
     amp = resolve_precision(cfg.train.precision, device)
     assert model_cfg.vocab_size is not None

@@ -66,8 +66,10 @@ class TrainConfig:
     )
     seed: int = field(0, help="seed for initialisation and data order")
     device: str = field("auto", help="'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
-    precision: Literal["auto", "fp32", "bf16"] = field(
-        "auto", help="'auto': bf16 autocast on GPUs and on CPUs with native bf16 matmuls, else fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = field(
+        "auto",
+        help="'auto': bf16 autocast on GPUs and on CPUs with native bf16 matmuls, else fp32; 'fp8': bf16 "
+        "autocast plus fp8 matmuls in the block linears (torchao; GPUs of compute capability 8.9+)",
     )
     compile: bool = field(False, help="torch.compile the model")
     threads: int | None = field(None, ge=1, help="CPU threads for torch (default: torch's choice)")

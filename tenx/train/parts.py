@@ -33,6 +33,7 @@ from tenx.rundir import RunDir
 from tenx.train.config import RunConfig, accumulation_steps
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.config import total_steps as run_total_steps
+from tenx.train.float8 import check_float8_support, convert_linears_to_float8
 from tenx.train.guard import StepGuard
 from tenx.train.optim import build_optimizer
 from tenx.train.rng import seed_everything
@@ -106,6 +107,8 @@ def build_model_parts(
     built, since FSDP2 replaces the parameters; replay runs the model as it is, uncompiled."""
     seed_everything(cfg.train.seed)
     raw_model = Transformer(model_cfg).to(device)
+    if cfg.train.precision == "fp8":  # before the wrapper and torch.compile, as torchao requires
+        convert_linears_to_float8(raw_model, device)
     model, strategy = wrap(raw_model) if wrap is not None else (raw_model, "none")
     optimizer = build_optimizer(raw_model, cfg.optim, device)
     forward = torch.compile(model) if compile else model
@@ -261,6 +264,8 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
     if device.type == "cpu" and tc.tune_allocator:
         tune_cpu_allocator()
     amp_dtype = resolve_precision(tc.precision, device)
+    if tc.precision == "fp8":  # refused before any data is opened when the device cannot
+        check_float8_support(device)
 
     events = EventLog(rundir.root)
     train_stream = TokenStream(

@@ -52,6 +52,7 @@ from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug
 from tenx.train.callbacks.record import error_frames, read_steps, step_digest
 from tenx.train.config import RunConfig, load_run_config
+from tenx.train.float8 import restore_plain_linears
 from tenx.train.guard import StepGuard
 from tenx.train.parts import build_model_parts, run_shape
 from tenx.train.step import StepHooks, take_step
@@ -452,6 +453,8 @@ class Replayer:
         if device != trained_on:
             self.notes.append(f"{trained_on.type} has no float64: the reference path ran on the CPU")
             self.device = device
+        if restore_plain_linears(self.model):  # an fp8 run: its matmuls in float64 too
+            self.notes.append("the reference path ran the fp8 run's linears as plain float64 ones")
         self.model.to(device, torch.float64)
         for state in self.optimizer.state.values():
             for k, v in list(state.items()):
