@@ -23,7 +23,10 @@ last steps; then tenx/reference ratios and what each callback costs per step. On
 so the machine's drift and the allocator fall on both alike.
 
     python bench/train_throughput.py [--device cpu|cuda] [--shape cpu|gpt2-d12|llama-1b] [--steps N]
-                                     [--rounds R] [--tiny] [--data DIR]
+                                     [--rounds R] [--tiny] [--precision fp32|bf16|fp8] [--data DIR]
+
+`--precision fp8` (a GPU with fp8 tensor cores) trains tenx with float8 linears against the bf16 reference;
+run the same shape with `--precision bf16` beside it for tenx's own bf16 figure.
 """
 
 from __future__ import annotations
@@ -151,8 +154,11 @@ class RefGPT(nn.Module):
 
 
 # ----- shapes and measurement --------------------------------------------------------------------------
-def run_config(shape: str, device: torch.device, data: Path, steps: int, tiny: bool) -> RunConfig:
-    """The tenx run config of `shape` (both runs take their model, batch, schedule and precision from it)."""
+def run_config(
+    shape: str, device: torch.device, data: Path, steps: int, tiny: bool, precision: str | None = None
+) -> RunConfig:
+    """The tenx run config of `shape` (both runs take their model, batch, schedule and precision from it;
+    `precision` replaces the shape's: with fp8 the reference runs bf16, tenx converts its linears)."""
     common = [
         f"data.dir={data}",
         f"train.steps={steps}",
@@ -173,7 +179,9 @@ def run_config(shape: str, device: torch.device, data: Path, steps: int, tiny: b
             "train.micro_batch=8",
             "train.precision=fp32",
         ]
-        return load_run_config(None, common + settings)
+        return load_run_config(
+            None, common + settings + ([f"train.precision={precision}"] if precision else [])
+        )
     settings = ["model.vocab_size=32768"]
     if tiny:  # a few seconds a step on a CPU, the shape's family and features kept; the data's vocabulary
         settings = [
@@ -187,6 +195,8 @@ def run_config(shape: str, device: torch.device, data: Path, steps: int, tiny: b
         ]
         if shape == "llama-1b":
             settings.append("model.n_kv_heads=1")
+    if precision:
+        settings.append(f"train.precision={precision}")
     return load_run_config(resolve_config_path(shape), common + settings)
 
 
@@ -329,8 +339,10 @@ def compare(
     tiny: bool = False,
     data: Path | str = "runs/data/stdlib",
     rounds: int = 1,
+    precision: str | None = None,
 ) -> dict:
-    """Time tenx and the reference on `shape`, alternating `rounds` times; the medians of each, as a dict."""
+    """Time tenx and the reference on `shape`, alternating `rounds` times; the medians of each, as a dict.
+    `precision` replaces the shape's train.precision (fp8: tenx's linears in float8, the reference bf16)."""
     device = pick_device(str(device), "--device")
     if shape not in SHAPES:
         raise SystemExit(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
@@ -338,7 +350,7 @@ def compare(
     if device.type == "cpu":
         tune_cpu_allocator()  # once for the process: both runs get it
     skip = min(skip, max(0, steps - 3))
-    cfg = run_config(shape, device, data, steps, tiny)
+    cfg = run_config(shape, device, data, steps, tiny, precision)
     stream = TokenStream(data, "train")
     model_cfg = cfg.model.resolved(int(stream.manifest["tokenizer"]["vocab_size"]))
     fpt = flops_per_token(model_cfg)
@@ -367,7 +379,9 @@ def compare(
     return {
         "shape": shape + (" (tiny)" if tiny else ""),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-        "precision": str(dtype).removeprefix("torch."),
+        "precision": cfg.train.precision
+        if cfg.train.precision == "fp8"
+        else str(dtype).removeprefix("torch."),
         "compile": cfg.train.compile,
         "tokens_per_step": tokens_per_step,
         "tenx": med["tenx"],
@@ -390,6 +404,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="alternations (default 2 on a CPU, 1 on a GPU)")
     ap.add_argument("--tiny", action="store_true", help="shrink gpt2-d12 / llama-1b to CPU size")
     ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp8"),
+        default=None,
+        help="replace the shape's train.precision",
+    )
+    ap.add_argument(
         "--data",
         default="runs/data/stdlib",
         help="prepared data (default: the stdlib, BPE 8192, made if missing)",
@@ -406,6 +426,7 @@ def main() -> None:
         tiny=args.tiny,
         data=args.data,
         rounds=args.rounds or (1 if gpu else 2),
+        precision=args.precision,
     )
     print(
         f"{result['shape']} on {result['device']}, {result['precision']}, compile {result['compile']}, "
