@@ -48,7 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tenx.data.loader import TokenLoader, TokenStream
+from tenx.data.manifest import read_manifest
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
+from tenx.errors import DataError
 from tenx.hardware import cpu_name, peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import flops_per_token
@@ -324,6 +326,13 @@ def summarize(run: dict, tokens_per_step: int, skip: int, fpt: int, peak: float,
 
 
 def ensure_data(data: Path) -> Path:
+    """`data` as it is when it holds a prepared directory (any corpus, any tokenizer: the shapes set their
+    vocabulary), else the standard library prepared into it with BPE 8192."""
+    try:
+        read_manifest(data)
+        return data
+    except DataError:
+        pass
     cfg = PrepareConfig(source="stdlib", out=str(data))
     if not is_prepared(cfg):
         print(f"preparing the stdlib corpus into {data} ...", file=sys.stderr)

@@ -132,6 +132,11 @@ SKIPS = [
     ),
     ("docs/training.md", r"^self\.write_provenance\(\)", "pseudo-code: the body of Trainer.fit"),
     (
+        "*",
+        r"^python bench/gpu_check\.py --device cuda",
+        "needs a CUDA GPU (8 minutes on one H100); tests/test_gpu_check.py runs its CPU matrix",
+    ),
+    (
         "docs/scaling.md",
         r"^from tenx\.scaling\.fit import",
         "an API sketch: N, D, L and C stand for the caller's arrays of runs",

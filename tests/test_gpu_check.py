@@ -1,0 +1,131 @@
+"""bench/gpu_check.py on a CPU: every command passes at tiny sizes, and its throughput and plan figures are
+finite positive numbers; its error lines are the one line that says what went wrong."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "gpu_check.py"
+COMMANDS = {
+    "prepare",
+    "train",
+    "resume",
+    "supervise-sigkill",
+    "eval",
+    "sample",
+    "replay",
+    "triage",
+    "bisect",
+    "compress",
+    "export",
+    "export-load",
+    "plan-measure",
+    "ladder",
+    "derisk",
+    "stats",
+    "dashboard",
+    "ddp",
+    "fsdp",
+}
+MAY_SKIP = {"ddp", "fsdp", "export-load"}  # on one GPU, or without transformers: "skipped: REASON"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.mark.timeout(600)
+def test_the_cpu_matrix_passes_and_reports_positive_figures(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-3000:]
+    summary = json.loads(lines[-1])
+    assert {"device", "commands", "throughput", "plan"} <= summary.keys()
+    assert summary["device"]
+    assert set(summary["commands"]) == COMMANDS
+    bad = {
+        name: entry
+        for name, entry in summary["commands"].items()
+        if entry != "pass" and not (name in MAY_SKIP and entry.startswith("skipped: "))
+    }
+    assert not bad, f"{bad}\n{done.stdout[-3000:]}"
+    assert done.returncode == 0, done.stderr[-3000:]
+    for shape in ("gpt2-d12", "llama-1b"):
+        figures = summary["throughput"][shape]
+        values = [figures["ratio"], figures["memory_ratio"]]
+        values += [
+            figures[who][k] for who in ("tenx", "reference") for k in ("tokens_per_s", "mfu", "peak_mib")
+        ]
+        values += [summary["plan"][shape]["step_time_ratio"], summary["plan"][shape]["memory_ratio"]]
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values), (
+            shape,
+            values,
+        )
+        assert math.isfinite(figures["tenx"]["final_loss"])
+    fp8 = summary["throughput"]["llama-1b-fp8"]  # a CPU has no fp8 tensor cores: skipped, saying so
+    assert "train.precision='fp8'" in fp8["skipped"] and "cpu" in fp8["skipped"], fp8
+    assert not list(tmp_path.iterdir()), "the check wrote into the working directory"
+
+
+def test_an_entry_is_the_line_that_says_what_went_wrong(gpu_check):
+    tenx_error = (
+        "Traceback ...\nValueError: inner\ntenx: error: runs/x does not exist; give a run directory\n"
+    )
+    assert (
+        gpu_check.first_error(tenx_error, "", 2) == "tenx: error: runs/x does not exist; give a run directory"
+    )
+    torchrun = (
+        "Traceback (most recent call last):\n  File x\nRuntimeError: rank 1 broke\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    assert gpu_check.first_error(torchrun, "", 1) == "RuntimeError: rank 1 broke"
+    assert gpu_check.first_error("", "last words\n", 3) == "last words"
+    assert gpu_check.first_error("", "", -9) == "exit code -9"
+
+
+def test_a_failed_need_is_named_and_a_skip_is_kept(gpu_check, tmp_path):
+    import torch
+
+    def fails(ctx):
+        raise gpu_check.CheckFailed("tenx: error: broken")
+
+    checks = [
+        gpu_check.Check("a", fails),
+        gpu_check.Check("b", lambda ctx: None, ("a",)),
+        gpu_check.Check("c", lambda ctx: "skipped: needs 2 GPUs"),
+        gpu_check.Check("d", lambda ctx: None, (), ("a",), slots=2),
+    ]
+    ctx = gpu_check.Context(tmp_path, torch.device("cpu"), 10.0)
+    results = gpu_check.run_checks(ctx, checks, 2, 0.0)
+    assert results == {
+        "a": "tenx: error: broken",
+        "b": "not run: a did not pass",
+        "c": "skipped: needs 2 GPUs",
+        "d": "pass",
+    }
