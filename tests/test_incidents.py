@@ -272,3 +272,19 @@ def test_a_clean_run_has_no_incidents(tmp_path, capsys):
     emit(tmp_path, "close", 10)
     assert main(["incidents", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == f"no incidents in {tmp_path}"
+
+
+def test_triage_of_a_directory_that_is_no_run_writes_nothing_and_fails(tmp_path, capsys):
+    """`tenx triage DIR --all` on a directory holding no run refuses it by name and creates no incidents.db."""
+    from tenx.cli import main
+    from tenx.errors import TenxError
+    from tenx.triage.incident_store import IncidentStore
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine\n")
+    assert main(["triage", str(notes), "--all"]) == 2
+    assert "not a tenx run directory" in capsys.readouterr().err
+    with pytest.raises(TenxError, match="not a tenx run directory"):
+        IncidentStore(notes)
+    assert sorted(p.name for p in notes.iterdir()) == ["todo.txt"]

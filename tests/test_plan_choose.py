@@ -163,3 +163,15 @@ def test_measure_fits_the_factors_and_the_next_plan_uses_them(tiny_data, tmp_pat
         [*cmd, "--cluster", "cpu", "--no-calibration"], capture_output=True, text=True, env=env, check=True
     )
     assert "measured on this machine" not in plain.stdout and plain.stdout != again.stdout
+
+
+def test_a_measured_run_that_fails_is_one_error_line_naming_its_cause(tmp_path, capsys):
+    """`tenx plan --measure` whose measured run fails (no prepared data) exits 2 with that run's error, no
+    traceback."""
+    from tenx.cli import main
+
+    argv = ["plan", "--config", "tiny", "--cluster", "cpu", "--set", f"data.dir={tmp_path / 'none'}"]
+    assert main([*argv, "--measure", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tenx: error: --measure: the measured run of tiny failed (exit 1): " in err
+    assert "does not exist" in err and "Traceback" not in err

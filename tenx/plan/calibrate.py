@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tenx.errors import TenxError
 from tenx.plan.estimate import GB, Cluster, estimate
 from tenx.rundir import RunDir
 from tenx.utils.io import read_jsonl
@@ -90,8 +91,13 @@ def measure(
             cmd = [sys.executable, "-c", code, payload]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        if out.returncode != 0:
-            raise RuntimeError(f"measuring {config} failed:\n{out.stderr[-3000:]}")
+        if out.returncode != 0:  # the measured run's own last error line, not its traceback
+            lines = [line.strip() for line in out.stderr.splitlines() if line.strip()]
+            cause = next((line for line in reversed(lines) if "rror" in line), lines[-1] if lines else "")
+            raise TenxError(
+                f"--measure: the measured run of {config} failed (exit {out.returncode}): {cause[:500]}; "
+                "run it with `tenx train` to see why"
+            )
     decoder, marker, rows = json.JSONDecoder(), "TENX_MEASURE ", []
     at = out.stdout.find(marker)
     while at >= 0:  # ranks print at once: lines may interleave, so each record is decoded where it starts

@@ -249,6 +249,12 @@ class IncidentStore:
         self.path = self.run.incidents_db
         if not self.run.root.is_dir():
             raise TenxError(f"{self.run.root} is not a directory: expected a run directory")
+        marks = (self.run.config, self.run.provenance, self.run.events, self.path)
+        if not any(mark.is_file() for mark in marks):  # nothing is written into a directory that is no run
+            raise TenxError(
+                f"{self.run.root}: not a tenx run directory (no {', '.join(m.name for m in marks[:3])}); "
+                "give a directory that `tenx train --run-dir` wrote"
+            )
         try:
             self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         except sqlite3.Error as e:
