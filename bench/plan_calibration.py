@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.data.prepare.sources import copy_stdlib_packages
+from tenx.hardware import device_name, pick_device
 from tenx.plan.calibrate import fit_all, measure, predicted_over_measured, save_calibration
 from tenx.plan.estimate import load_cluster
 from tenx.train.config import load_run_config, resolve_config_path
@@ -90,7 +91,8 @@ def main() -> None:
         )
     print("(* fitted on)")
     if args.save:
-        print(f"saved the factors to {save_calibration(cluster.name, factors)}")
+        measured_on = device_name(pick_device(measured[0][1].train.device, "train.device"))
+        print(f"saved the factors to {save_calibration(cluster.name, factors, measured_on)}")
     print(
         json.dumps(
             {

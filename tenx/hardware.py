@@ -191,6 +191,13 @@ def gpu_peak(name: str) -> dict[str, float] | None:
     return None
 
 
+def device_name(device: torch.device) -> str:
+    """What `device` is, by name: the GPU's model (torch.cuda.get_device_name) or `cpu: ` and the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}: {cpu_name()}" if device.type == "cpu" else device.type
+
+
 def hardware_summary(device: torch.device) -> dict[str, object]:
     """A description of the machine for the run's provenance record."""
     info: dict[str, object] = {

@@ -163,6 +163,15 @@ def test_measure_fits_the_factors_and_the_next_plan_uses_them(tiny_data, tmp_pat
         [*cmd, "--cluster", "cpu", "--no-calibration"], capture_output=True, text=True, env=env, check=True
     )
     assert "measured on this machine" not in plain.stdout and plain.stdout != again.stdout
+    # factors are kept with the device they were measured on, and never applied to another one's plans
+    assert saved["measured_on"].startswith("cpu: ")
+    path = tmp_path / "plan-calibration.json"
+    forged = json.loads(path.read_text())
+    forged["cpu-2core"]["measured_on"] = "NVIDIA H100 80GB HBM3"
+    path.write_text(json.dumps(forged))
+    other = subprocess.run([*cmd, "--cluster", "cpu"], capture_output=True, text=True, env=env, check=True)
+    assert "were measured on NVIDIA H100 80GB HBM3, not on this machine's cpu: " in other.stdout
+    assert "not applied" in other.stdout and other.stdout.endswith(plain.stdout)
 
 
 def test_a_measured_run_that_fails_is_one_error_line_naming_its_cause(tmp_path, capsys):

@@ -7,8 +7,8 @@ the model statistics, as every `monitor.stats_every`-th step of a run does, so t
 (the estimate counts them when `monitor.stats_every` > 0). The fit: the compute
 efficiency that makes the predicted step time equal the measured one, and the activation factor that makes
 the predicted memory equal the measured one (the part of it the formula attributes to activations). The
-factors are kept per machine in TENX_CACHE_DIR/plan-calibration.json and applied by `tenx plan` to the
-cluster file of that machine's name.
+factors are kept per machine in TENX_CACHE_DIR/plan-calibration.json, with the device they were measured
+on, and applied by `tenx plan` to the cluster file of that name only on that device.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import TenxError
+from tenx.hardware import device_name, pick_device
 from tenx.plan.estimate import GB, Cluster, estimate
 from tenx.rundir import RunDir
 from tenx.utils.io import read_jsonl
@@ -204,8 +205,9 @@ def calibration_path() -> Path:
     return root / "plan-calibration.json"
 
 
-def save_calibration(cluster_name: str, factors: dict[str, float]) -> Path:
-    """Keep the fitted factors for clusters named `cluster_name` (atomically, beside earlier ones)."""
+def save_calibration(cluster_name: str, factors: dict[str, float], measured_on: str) -> Path:
+    """Keep the factors fitted on the device named `measured_on` (tenx.hardware.device_name) for clusters
+    named `cluster_name` (atomically, beside earlier ones)."""
     from tenx.utils.io import atomic_write_json
 
     path = calibration_path()
@@ -214,21 +216,30 @@ def save_calibration(cluster_name: str, factors: dict[str, float]) -> Path:
     except (OSError, ValueError):
         known = {}
     known = known if isinstance(known, dict) else {}
-    known[cluster_name] = factors
+    known[cluster_name] = {**factors, "measured_on": measured_on}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, known)
     return path
 
 
-def apply_calibration(cluster: Cluster) -> bool:
-    """Use the fitted factors of this cluster's name, when some were saved; True if applied."""
+def apply_calibration(cluster: Cluster, device: str) -> str | None:
+    """Use the factors saved for this cluster's name when they were measured on `device` (this machine's,
+    tenx.hardware.device_name): None when none were saved; "applied"; else why they were not (factors of
+    another device would silently mis-predict this one: a CPU's for an H100 node)."""
     try:
         known = json.loads(calibration_path().read_text())
     except (OSError, ValueError):
-        return False
+        return None
     factors = known.get(cluster.name) if isinstance(known, dict) else None
     if not isinstance(factors, dict):
-        return False
+        return None
+    measured_on = factors.get("measured_on")
+    if measured_on != device:
+        where = f"on {measured_on}" if isinstance(measured_on, str) else "without the device they came from"
+        return (
+            f"factors of {cluster.name!r} in {calibration_path()} were measured {where}, not on this machine's "
+            f"{device}: not applied (measure here with --measure)"
+        )
     for key, top in (
         ("compute_efficiency", 1.0),
         ("activation_factor", 100.0),
@@ -240,7 +251,7 @@ def apply_calibration(cluster: Cluster) -> bool:
         value = factors.get(key)
         if isinstance(value, (int, float)) and 0 <= value <= top:
             setattr(cluster.cluster, key, float(value))
-    return True
+    return "applied"
 
 
 def calibrate(
@@ -280,4 +291,11 @@ def calibrate(
         cluster,
     )
     after = {name: predicted_over_measured(run, cluster, vocab, m) for name, run, m in cases}
-    return {"cases": [name for name, *_ in cases], "before": before, "after": after, "factors": factors}
+    measured_on = device_name(pick_device(base.train.device, "train.device"))
+    return {
+        "cases": [name for name, *_ in cases],
+        "before": before,
+        "after": after,
+        "factors": factors,
+        "measured_on": measured_on,
+    }

@@ -64,6 +64,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     """`tenx plan --config CFG --cluster CLUSTER`: the estimate, printed (and written as JSON with --json)."""
     from tenx.errors import TenxError
+    from tenx.hardware import device_name, pick_device
     from tenx.plan.calibrate import apply_calibration, calibration_path
     from tenx.plan.estimate import estimate, format_estimate, load_cluster, vocab_of
     from tenx.train.config import load_run_config, resolve_config_path
@@ -79,10 +80,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     calibration = None
     if args.measure:
         calibration = _measure(args, cluster, vocab)
-    elif not args.no_calibration and apply_calibration(cluster):
-        print(
-            f"factors of {cluster.name!r} measured on this machine: {calibration_path()} (--no-calibration)"
-        )
+    elif not args.no_calibration:
+        applied = apply_calibration(cluster, device_name(pick_device(run.train.device, "train.device")))
+        if applied == "applied":
+            print(
+                f"factors of {cluster.name!r} measured on this machine: {calibration_path()} (--no-calibration)"
+            )
+        elif applied is not None:
+            print(f"tenx: {applied}")
     plan = estimate(
         run,
         cluster,
@@ -119,6 +124,9 @@ def _measure(args: argparse.Namespace, cluster: Any, vocab: int) -> dict[str, An
             f"{name:<22}{b['step_time_ratio']:>8.2f} -> {a['step_time_ratio']:<5.2f}"
             f"{b['memory_ratio']:>10.2f} -> {a['memory_ratio']:<5.2f}"
         )
-    path = save_calibration(cluster.name, result["factors"])
-    print(f"fitted {result['factors']}\nkept in {path} for clusters named {cluster.name!r}")
+    path = save_calibration(cluster.name, result["factors"], result["measured_on"])
+    print(
+        f"fitted {result['factors']}\nkept in {path} for clusters named {cluster.name!r}, "
+        f"measured on {result['measured_on']}"
+    )
     return result
