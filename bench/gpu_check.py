@@ -62,7 +62,7 @@ import torch
 
 from tenx.data.manifest import MANIFEST_NAME
 from tenx.data.prepare.sources import copy_stdlib_packages
-from tenx.hardware import cpu_name, peak_flops, pick_device, resolve_precision
+from tenx.hardware import device_name, peak_flops, pick_device, resolve_precision
 from tenx.rundir import RunDir, step_dir_name
 from tenx.utils.io import read_jsonl
 
@@ -616,10 +616,6 @@ def run_checks(
     return results
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
 def subprocess_env(work: Path) -> dict[str, str]:
     """This checkout first on PYTHONPATH, one thread per process, caches inside the work directory."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -654,6 +650,8 @@ def main() -> None:
         return
 
     t0 = time.perf_counter()
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise SystemExit(f"--out {args.out}: not empty; give a new or empty directory (nothing was written)")
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tenx-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     cuda = device.type == "cuda"

@@ -51,7 +51,7 @@ from tenx.data.loader import TokenLoader, TokenStream
 from tenx.data.manifest import read_manifest
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.errors import DataError
-from tenx.hardware import cpu_name, peak_flops, pick_device, resolve_precision, tune_cpu_allocator
+from tenx.hardware import device_name, peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import flops_per_token
 from tenx.train.config import RunConfig, load_run_config, resolve_config_path
@@ -387,7 +387,7 @@ def compare(
     med = {who: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for who, rs in runs.items()}
     return {
         "shape": shape + (" (tiny)" if tiny else ""),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "device": device_name(device),
         "precision": cfg.train.precision
         if cfg.train.precision == "fp8"
         else str(dtype).removeprefix("torch."),
