@@ -10,7 +10,10 @@ RUN_DIR/
   prequential.json     the training stream's prequential code length (bits per byte), beside xz
   steps.jsonl          each step's exact loss and gradient norm, digest and data positions (tenx replay)
   incidents.db         the incident store (SQLite): every anomaly, and what triage found (tenx triage)
-  incidents/N/         incident N's evidence: the minimal reproduction of a faulty op (repro.py + inputs)
+  incidents/N/         incident N's evidence: the minimal reproduction of a faulty op
+    repro.py           the script that runs it (exit status 1 while the op still misbehaves)
+    repro.json         the op and its non-tensor arguments
+    inputs.safetensors its tensor inputs: the smallest slice that still triggers it
   ledger.jsonl         goodput ledger: time spent productively and otherwise
   data_skips.json      data skipped after rollbacks (a resume from an older checkpoint skips it too)
   eval.json            the last `tenx eval` report
@@ -41,6 +44,9 @@ STEPS = "steps.jsonl"
 PREQUENTIAL = "prequential.json"
 INCIDENTS_DB = "incidents.db"
 INCIDENTS = "incidents"
+REPRO_SCRIPT = "repro.py"
+REPRO_META = "repro.json"
+REPRO_INPUTS = "inputs.safetensors"
 LEDGER = "ledger.jsonl"
 DATA_SKIPS = "data_skips.json"
 EVAL = "eval.json"

@@ -7,6 +7,13 @@ finite, or when its output differs from float64 by more than its dtype's toleran
 error). Comparing each operator on its own inputs, rather than two whole runs, keeps rounding from
 accumulating: the first faulty operator is the culprit, not the last one a divergence reached.
 
+An operator is only judged on inputs whose result its dtype can deliver: when moving its inputs by one
+rounding of their dtype moves the float64 result by more than `ILL_CONDITIONED` (relative), no kernel in
+that dtype can be held to float64 there (attention on a diverged model's huge activations: a saturated
+softmax, an intermediate that overflows), so the operator is noted as ill-conditioned, not faulty, and the
+check goes on. Whether the step's inputs are ones a healthy run produces is the verdict's question
+(tenx.triage.classify compares the reference path's loss with the run's first steps).
+
 For the culprit the report gives its module path (or the innermost source frame outside the model), its
 inputs' shapes, dtypes and strides, and a property of the data that triggers it: the operator is re-run on
 ever smaller slices of its inputs along their shared leading dimension until the smallest slice that still
@@ -22,6 +29,7 @@ import json
 import math
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +40,22 @@ from torch.utils._pytree import tree_map
 
 from tenx.errors import TenxError
 from tenx.hardware import float64_device
+from tenx.rundir import REPRO_INPUTS, REPRO_META, REPRO_SCRIPT
 from tenx.train.callbacks.record import frame_name
 from tenx.triage.outcome import StepOutcome
 from tenx.triage.replay import Replayer
+from tenx.utils.io import atomic_write_text
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 """Norm-wise relative error of one operator's output against float64 beyond which it is faulty."""
+
+ILL_CONDITIONED = 0.1
+"""Relative change of an operator's float64 result when its inputs move by one rounding of their dtype
+beyond which the operator is not judged: its result is not determined by its inputs at their precision
+(a healthy step's operators move by ~1e-6; a diverged model's attention by 1e4 and more)."""
+
+SENSITIVITY_SAMPLES = 3
+"""Random one-rounding perturbations of the inputs whose largest effect measures an operator's conditioning."""
 
 _SKIP = {
     "aten._to_copy",
@@ -90,6 +108,9 @@ class BisectReport:
     repro: str | None
     seconds: float
     notes: list[str] = field(default_factory=list)
+    ill_conditioned: dict[str, int] = field(default_factory=dict)
+    """Operators not judged (op -> calls): one rounding of their inputs moves their exact result by more
+    than ILL_CONDITIONED."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +130,11 @@ class BisectReport:
                 lines.append(f"    input {i}: {t['dtype']} {t['shape']} strides {t['strides']}")
             if f.property:
                 lines.append(f"    triggered by: {f.property['text']}")
+        if self.ill_conditioned:
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.ill_conditioned.items()))
+            lines.append(
+                f"  not judged (inputs leave the exact result undetermined at their precision): {ops}"
+            )
         if self.repro:
             lines.append(f"  minimal reproduction: {self.repro}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -177,9 +203,9 @@ def compare_with_reference(
     return None, worst, tol
 
 
-def perturb(args: Any, dtypes: Any) -> Any:
+def perturb(args: Any, dtypes: Any, seed: int = 0) -> Any:
     """`args` raised to float64 and each floating tensor moved by up to one rounding of its own dtype."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
 
     def move(x: Any, dtype: Any) -> Any:
         if not (torch.is_tensor(x) and x.is_floating_point()):
@@ -203,18 +229,40 @@ def _dtypes(values: Any) -> Any:
     return tree_map(lambda x: x.dtype if torch.is_tensor(x) else None, values)
 
 
+def sensitivity_of(ref: Any, moved: Any) -> float:
+    """The largest norm-wise relative change between float64 outputs `ref` and `moved` (non-finite: inf)."""
+    worst = 0.0
+    for r, m in zip(_tensors(ref), _tensors(moved)):
+        if not r.is_floating_point() or r.numel() == 0:
+            continue
+        if not bool(torch.isfinite(m).all()) and bool(torch.isfinite(r).all()):
+            return math.inf
+        worst = max(worst, _relative(m, r))
+    return worst
+
+
 def check_op(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[str | None, float | None, float]:
-    """Compare `out` (the op's output as run) with float64 on the same inputs; see `compare_with_reference`."""
+    """Compare `out` (the op's output as run) with float64 on the same inputs; see `compare_with_reference`.
+
+    The problem is "ill-conditioned" (not a fault) when one rounding of the inputs moves the float64
+    result by more than ILL_CONDITIONED; the error is then that relative change."""
     ref = func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs))
     problem, err, tol = compare_with_reference(out, ref)
     if problem is None:
         return problem, err, tol
-    moved = perturb((args, kwargs), _dtypes((args, kwargs)))
-    try:
-        sensitivity = func(*moved[0], **moved[1])
-    except Exception:
-        return problem, err, tol
-    return compare_with_reference(out, ref, sensitivity)
+    dtypes = _dtypes((args, kwargs))
+    sensitivities = []
+    for seed in range(SENSITIVITY_SAMPLES):
+        moved = perturb((args, kwargs), dtypes, seed)
+        try:
+            sensitivities.append(func(*moved[0], **moved[1]))
+        except Exception:
+            return problem, err, tol
+    worst = max(range(len(sensitivities)), key=lambda k: sensitivity_of(ref, sensitivities[k]))
+    change = sensitivity_of(ref, sensitivities[worst])
+    if change > ILL_CONDITIONED:
+        return "ill-conditioned", change, ILL_CONDITIONED
+    return compare_with_reference(out, ref, sensitivities[worst])
 
 
 def misbehaves(func: Any, args: tuple, kwargs: dict) -> str | None:
@@ -224,9 +272,10 @@ def misbehaves(func: Any, args: tuple, kwargs: dict) -> str | None:
     except Exception:
         return "raises"
     try:
-        return check_op(func, args, kwargs, fast)[0]
+        problem = check_op(func, args, kwargs, fast)[0]
     except Exception:
         return None  # no float64 kernel: nothing to compare with
+    return None if problem == "ill-conditioned" else problem
 
 
 class OpChecker(TorchDispatchMode):
@@ -238,6 +287,9 @@ class OpChecker(TorchDispatchMode):
         self.count = 0
         self.first: OpFinding | None = None
         self.first_call: tuple[Any, tuple, dict] | None = None
+        self.ill_conditioned: Counter[str] = Counter()
+        """Operators passed over because their inputs leave their result undetermined (ILL_CONDITIONED)."""
+        self.worst_conditioning = 0.0
         self._modules: list[str] = []
         self._handles: list[Any] = []
 
@@ -282,7 +334,10 @@ class OpChecker(TorchDispatchMode):
             problem, err, tol = check_op(func, saved[0], saved[1], out)
         except Exception:
             return out  # this operator has no float64 kernel: unchecked
-        if problem:
+        if problem == "ill-conditioned":
+            self.ill_conditioned[name] += 1
+            self.worst_conditioning = max(self.worst_conditioning, err or 0.0)
+        elif problem:
             self._found(func, name, saved, problem, err, tol, f"{problem} against float64")
         return out
 
@@ -335,6 +390,15 @@ def _arg_name(func: Any, i: int) -> str:
     return str(arguments[i].name) if i < len(arguments) else f"input {i}"
 
 
+def slice_inputs(args: tuple, lo: int, hi: int) -> tuple:
+    """`args` with rows lo..hi of every tensor that shares the first tensor's leading dimension."""
+    tensors = [a for a in args if torch.is_tensor(a) and a.dim() >= 1]
+    if not tensors:
+        return args
+    n = tensors[0].shape[0]
+    return tuple(a[lo:hi] if torch.is_tensor(a) and a.dim() >= 1 and a.shape[0] == n else a for a in args)
+
+
 def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = None) -> dict[str, Any] | None:
     """The smallest slice of the inputs (along their shared leading dimension) on which `func` still
     misbehaves, and what distinguishes it; None when the whole input is needed."""
@@ -345,8 +409,7 @@ def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = No
     sliced = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.dim() >= 1 and a.shape[0] == n]
 
     def bad(lo: int, hi: int) -> bool:
-        part = tuple(a[lo:hi] if i in sliced else a for i, a in enumerate(args))
-        return misbehaves(func, part, kwargs) is not None
+        return misbehaves(func, slice_inputs(args, lo, hi), kwargs) is not None
 
     if n < 2 or not bad(0, n):
         return None
@@ -393,7 +456,7 @@ def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = No
     return prop
 
 
-REPRO_SCRIPT = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
+REPRO_SOURCE = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
 
 Runs the operator on its recorded inputs as the run did (with the library as the run had it) and on the
 same inputs in float64, and prints how they differ. Exit status 1: it still misbehaves.
@@ -422,7 +485,9 @@ def write_repro(
             spec.append({"tensor": f"arg{i}"})
         else:
             spec.append({"value": a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)})
-    save_file(tensors, str(out_dir / "inputs.safetensors"))
+    staged = out_dir / f".{REPRO_INPUTS}.tmp"
+    save_file(tensors, str(staged))
+    staged.replace(out_dir / REPRO_INPUTS)
     meta = {
         "op": _op_name(func),
         "args": spec,
@@ -430,9 +495,9 @@ def write_repro(
         "op_bugs": op_bugs,
         "run_dir": run_dir,
     }
-    (out_dir / "repro.json").write_text(json.dumps(meta, indent=1))
-    (out_dir / "repro.py").write_text(REPRO_SCRIPT)
-    return out_dir / "repro.py"
+    atomic_write_text(out_dir / REPRO_META, json.dumps(meta, indent=1))
+    atomic_write_text(out_dir / REPRO_SCRIPT, REPRO_SOURCE)
+    return out_dir / REPRO_SCRIPT
 
 
 def run_repro(folder: Path) -> int:
@@ -444,20 +509,20 @@ def run_repro(folder: Path) -> int:
     from tenx.train.callbacks.faults import parse_fault
     from tenx.train.callbacks.opbug import OpBug
 
-    meta = json.loads((folder / "repro.json").read_text())
+    meta = json.loads((folder / REPRO_META).read_text())
     name = str(meta["op"])
     parts = name.split(".")
     if len(parts) not in (2, 3) or parts[0] != "aten" or not all(p.isidentifier() for p in parts):
-        raise TenxError(f"{folder / 'repro.json'}: op {name!r} is not an aten operator name")
+        raise TenxError(f"{folder / REPRO_META}: op {name!r} is not an aten operator name")
     packet = getattr(torch.ops.aten, parts[1])
     func = getattr(packet, parts[2] if len(parts) == 3 else "default")
-    tensors = load_file(str(folder / "inputs.safetensors"))
+    tensors = load_file(str(folder / REPRO_INPUTS))
     args = tuple(tensors[a["tensor"]] if "tensor" in a else a.get("value") for a in meta["args"])
     with contextlib.ExitStack() as stack:
         for text in meta.get("op_bugs", []):
             stack.enter_context(OpBug(parse_fault(text).run))
         problem = misbehaves(func, args, dict(meta.get("kwargs", {})))
-    print(f"{name} on {folder / 'inputs.safetensors'}: " + (problem or "agrees with float64"))
+    print(f"{name} on {folder / REPRO_INPUTS}: " + (problem or "agrees with float64"))
     return 1 if problem else 0
 
 
@@ -488,6 +553,9 @@ def bisect_step(
         func, args, kwargs = checker.first_call
         with replayer.library():
             checker.first.property = data_property(func, args, kwargs, replayer.seq_len)
+        prop = checker.first.property
+        if prop is not None:  # the smallest slice that still misbehaves is the reproduction (kilobytes)
+            args = slice_inputs(args, int(prop["start"]), int(prop["end"]))
         if repro_dir is not None:
             specs = [t for t in replayer.cfg.faults.inject if t.strip().startswith("op-bug@")]
             repro = str(write_repro(repro_dir, func, args, kwargs, specs, str(run_dir)))
@@ -504,4 +572,5 @@ def bisect_step(
         repro=repro,
         seconds=time.perf_counter() - t0,
         notes=notes,
+        ill_conditioned=dict(checker.ill_conditioned),
     )

@@ -19,9 +19,12 @@ or (for `ml`) the same config. One cause may show several symptoms at many steps
 
 from __future__ import annotations
 
+import math
 import random
+import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +34,20 @@ import torch
 from tenx.errors import TenxError
 from tenx.model.transformer import lm_loss
 from tenx.rundir import RunDir
+from tenx.train.callbacks.record import read_steps
 from tenx.triage.bisect import bisect_step
 from tenx.triage.incident_store import Incident, IncidentStore
 from tenx.triage.outcome import StepOutcome, outcome_of_crash
 from tenx.triage.replay import Replayer, replay
+from tenx.utils.cli import counted
 
 OUTLIER_Z = 6.0
 """A batch whose loss is this many standard deviations above other batches' is anomalous data."""
+
+DIVERGED_RATIO = 1.5
+"""A step whose float64 (reference-path) loss exceeds the run's first recorded loss by this factor runs on a
+state a healthy run does not reach: a model's loss starts near ln(vocabulary) and healthy training only
+lowers it, so exact arithmetic showing it far above its start means the weights themselves diverged."""
 
 _REPLAYED = ("crash", "non-finite", "spike", "hang", "exit")
 
@@ -104,6 +114,31 @@ def _batch_zscore(run_dir: str, step: int, at_time: float, others: int = 16) -> 
     return (mine - mean) / std
 
 
+def first_loss(run_dir: str | Path) -> float | None:
+    """The loss of the run's first recorded step (its initial state: the healthiest it has been)."""
+    for record in read_steps(RunDir(run_dir).steps):
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            return float(loss)
+    return None
+
+
+def diverged_state(run_dir: str | Path, reference: StepOutcome) -> str | None:
+    """Why the step's state is one a healthy run does not produce (None when it may be): its float64 loss
+    is not finite, or is DIVERGED_RATIO times the run's first recorded loss or more."""
+    if reference.crashed or reference.loss is None:
+        return None
+    if not math.isfinite(reference.loss):
+        return f"the float64 path's loss is {reference.loss} as well"
+    start = first_loss(run_dir)
+    if start is None or start <= 0 or reference.loss < DIVERGED_RATIO * start:
+        return None
+    return (
+        f"the float64 path's loss is {reference.loss:.4g}, {reference.loss / start:.3g}x the run's first "
+        f"recorded loss ({start:.4g}): the weights diverged before this step"
+    )
+
+
 def _same_symptom(recorded: StepOutcome, replayed: StepOutcome) -> bool:
     """Both crashed alike, or the guard judged both the same way (a spike, a non-finite loss)."""
     if recorded.crashed or replayed.crashed:
@@ -153,7 +188,8 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
     report = bisect_step(incident.run_dir, step, at_time=at_time, recorded=recorded, repro_dir=repro_dir)
     evidence["bisect_text"] = report.text()
     first = report.first
-    if first is not None:
+    diverged = diverged_state(incident.run_dir, report.reference)
+    if first is not None and diverged is None:
         prop = first.property or {}
         evidence["op"] = first.op
         evidence["property"] = prop.get("text")
@@ -181,9 +217,27 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
             f"above other batches' on the same model: the data ({', '.join(shards) or 'its windows'})"
         )
         return Verdict("data", 0.7, evidence, {"verdict": "data", "shard": shards[0] if shards else None})
+    if diverged is not None:  # an op that errs on a diverged model's inputs is not the cause: the math is
+        evidence["diverged"] = diverged
+        seen = f"; {first.op} {first.problem} against float64 on its inputs" if first is not None else ""
+        evidence["summary"] = (
+            ("reproduces bit for bit" if not symptom_kept else "the symptom reproduces")
+            + f"; {diverged}{seen}, inputs no healthy run produces: the math itself (learning rate, "
+            "warmup, clipping, init)"
+        )
+        if first is not None and report.repro:
+            shutil.rmtree(Path(report.repro).parent, ignore_errors=True)
+        return Verdict("ml", 0.8, evidence, {"verdict": "ml", "config": incident.config_hash})
+    unjudged = (
+        f" ({', '.join(sorted(report.ill_conditioned))} not judged: their inputs leave the exact result "
+        "undetermined at their precision)"
+        if report.ill_conditioned
+        else ""
+    )
     evidence["summary"] = (
         f"reproduces bit for bit and on the float64 path ({report.reference.describe()}); no operator "
-        "disagrees with float64 and the batch is ordinary: the math itself (learning rate, init, schedule)"
+        f"disagrees with float64{unjudged} and the batch is ordinary: the math itself (learning rate, "
+        "init, schedule)"
     )
     return Verdict("ml", 0.75, evidence, {"verdict": "ml", "config": incident.config_hash})
 
@@ -345,11 +399,16 @@ def group_causes(incidents: list[Incident]) -> list[Cause]:
 
 
 def triage(
-    run_dirs: list[str | Path], incident_id: int | None = None, *, again: bool = False
+    run_dirs: list[str | Path],
+    incident_id: int | None = None,
+    *,
+    again: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[list[Incident], list[Cause], dict[int, float]]:
     """Triage the incidents of `run_dirs` (one, or every one not yet triaged); group all into causes.
 
-    Returns every incident (with its verdict), the root causes, and the seconds spent per incident."""
+    `progress` is told a line before each incident is triaged and after it is decided. Returns every
+    incident (with its verdict), the root causes, and the seconds spent per incident."""
     seconds: dict[int, float] = {}
     incidents: list[Incident] = []
     for run_dir in run_dirs:
@@ -357,11 +416,15 @@ def triage(
             store.ingest()
             todo = [store.get(incident_id)] if incident_id is not None else store.incidents()
             done = [i for i in store.incidents() if i.verdict is not None and not again]
-            for incident in todo:
-                if incident.verdict is not None and not again:
-                    continue
+            pending = [i for i in todo if i.verdict is None or again]
+            for n, incident in enumerate(pending, 1):
                 t0 = time.perf_counter()
+                where = f"{Path(run_dir).name}: incident {incident.id} ({n}/{len(pending)})"
+                if progress is not None:
+                    progress(f"triage: {where}, {incident.kind} at step {incident.step} ...")
                 v = triage_incident(incident, done)
+                if progress is not None:
+                    progress(f"triage: {where}: {v.verdict} ({time.perf_counter() - t0:.1f} s)")
                 store.record_triage(
                     incident.id,
                     verdict=v.verdict,
@@ -378,7 +441,7 @@ def triage(
 
 def format_causes(incidents: list[Incident], causes: list[Cause]) -> str:
     """The incidents-to-causes table a team reads instead of voting."""
-    lines = [f"{len(incidents)} incidents, {len(causes)} root causes", ""]
+    lines = [f"{counted(len(incidents), 'incident')}, {counted(len(causes), 'root cause')}", ""]
     header = f"{'cause':<4} {'verdict':<11} {'incidents':>9}  {'symptoms':<28} {'steps':<18} names"
     lines += [header, "-" * len(header)]
     for i, c in enumerate(causes, 1):

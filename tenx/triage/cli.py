@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 from tenx.utils.cli import subcommand
@@ -63,7 +64,12 @@ def cmd_triage(args: argparse.Namespace) -> None:
         )
     if args.incident is not None and len(args.run_dirs) != 1:
         raise TenxError("tenx triage --incident ID takes one RUN_DIR (incident ids are per run)")
-    incidents, causes, seconds = triage(args.run_dirs, args.incident, again=args.again)
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    incidents, causes, seconds = triage(args.run_dirs, args.incident, again=args.again, progress=progress)
     if args.json:
         print(
             json.dumps(
@@ -89,6 +95,9 @@ def _triage_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--again", action="store_true", help="triage incidents that already have a verdict again")
     p.add_argument("--json", action="store_true", help="print incidents and causes as JSON")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (one per incident as it is triaged)"
+    )
 
 
 def register(subparsers: Any) -> None:

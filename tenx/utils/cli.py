@@ -92,3 +92,8 @@ def subcommand(
 def add_set(parser: argparse.ArgumentParser, help: str) -> None:
     """The repeatable `--set SECTION.KEY=VALUE` override."""
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and the noun in the number it needs: "1 incident", "2 incidents", "1 root cause"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
