@@ -13,7 +13,9 @@ import pytest
 from tenx.cli import main
 from tenx.data.manifest import INDEX_DTYPE, SPLITS, np_dtype, read_manifest
 from tenx.data.ngrams import (
+    BYTES_N,
     DEFAULT_CONTAMINATION_THRESHOLD,
+    DEFAULT_N,
     Decontamination,
     contamination,
     decontaminate,
@@ -33,7 +35,7 @@ from tenx.data.prepare.pipeline import (
 from tenx.errors import DataError
 from tenx.utils.io import file_xxhash
 
-N = 13
+N = BYTES_N  # the bytes tokenizer's default n-gram length: every corpus here is byte-level
 BYTES_EOT = 256
 
 
@@ -51,13 +53,13 @@ def _documents(data_dir: Path, split: str) -> list[np.ndarray]:
 
 
 def _grams(doc: np.ndarray) -> list[bytes]:
-    """The reference: a byte-token document's 13-grams as byte strings, no hashing involved."""
+    """The reference: a byte-token document's N-grams as byte strings, no hashing involved."""
     raw = doc.astype(np.uint8).tobytes()
     return [raw[i : i + N] for i in range(len(raw) - N + 1)]
 
 
 def _reference_fractions(data_dir: Path, split: str = "heldout") -> dict[str, float]:
-    """Per document of `split`, the fraction of its 13-grams that occur in some train document."""
+    """Per document of `split`, the fraction of its N-grams that occur in some train document."""
     train = {gram for doc in _documents(data_dir, "train") for gram in _grams(doc)}
     ids = read_manifest(data_dir)["splits"][split]["documents"]
     fractions = {}
@@ -229,7 +231,7 @@ def test_stale_and_corrupt_index_errors_name_the_file(tmp_path: Path, tiny_data:
     cfg = PrepareConfig(source="unused", out=str(data))
 
     npy.write_bytes(old[npy][:-8] + bytes(8))
-    with pytest.raises(DataError, match=rf"{npy}.*corrupt.*`tenx data index {data} --n 13` rebuilds it"):
+    with pytest.raises(DataError, match=rf"{npy}.*corrupt.*`tenx data index {data} --n {N}` rebuilds it"):
         load_index(data, N)
     pickled = data / "pickled.npy"
     np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
@@ -264,7 +266,7 @@ def test_stale_and_corrupt_index_errors_name_the_file(tmp_path: Path, tiny_data:
     with pytest.raises(DataError, match=rf"{sidecar} is stale: its shards differ.*tenx data index {data}"):
         load_index(data, N)
     assert is_prepared(cfg)
-    cfg = PrepareConfig(**{**cfg.__dict__, "ngram_index": N})
+    cfg = PrepareConfig(**{**cfg.__dict__, "ngram_index": None})  # the bytes tokenizer's default: N
     prepare(cfg, progress=False)
     assert is_prepared(cfg)
     for path, raw in old.items():
@@ -273,8 +275,20 @@ def test_stale_and_corrupt_index_errors_name_the_file(tmp_path: Path, tiny_data:
     assert main(["data", "index", str(data)]) == 0
     assert f"{npy}: " in capsys.readouterr().out
     assert is_prepared(cfg)
+    # `tenx data index` without --n rebuilds the index of the n the directory was prepared with.
+    cfg = PrepareConfig(**{**cfg.__dict__, "ngram_index": DEFAULT_N})  # explicit: 13 bytes
+    prepare(cfg, progress=False)
+    assert read_manifest(data)["prepare"]["ngram_index"] == DEFAULT_N and not npy.exists()
+    for path in index_paths(data, DEFAULT_N):
+        path.unlink()
+    assert not is_prepared(cfg)
+    assert main(["data", "index", str(data)]) == 0
+    assert f"{index_paths(data, DEFAULT_N)[0]}: " in capsys.readouterr().out
+    assert is_prepared(cfg)
     assert main(["data", "index", str(data), "--n", "5"]) == 0
-    assert load_index(data, 5).n == 5 and len(load_index(data, 5).hashes) < len(load_index(data, N).hashes)
+    assert load_index(data, 5).n == 5 and len(load_index(data, 5).hashes) < len(
+        load_index(data, DEFAULT_N).hashes
+    )
     assert main(["data", "index", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -295,7 +309,7 @@ def test_decontamination_moves_partial_copies_until_none_exceeds(tmp_path: Path)
     original = _words(rng, vocabulary, 40).splitlines(keepends=True)
     extra = _words(rng, vocabulary, 40).splitlines(keepends=True)
     train_dir, held_dir = _split_apart_dirs("partial.py", cfg)
-    # `partial`: 28 of its 40 lines are the training file's, about 0.7 of its 13-grams; `chained`: 12 lines
+    # `partial`: 28 of its 40 lines are the training file's, about 0.7 of its N-grams; `chained`: 12 lines
     # of the training file (0.3) and 12 of `partial`'s own, so 0.6 once `partial` moves into train.
     partial = f"{held_dir}/partial.py"
     chained = next(
@@ -334,8 +348,9 @@ def test_decontamination_moves_partial_copies_until_none_exceeds(tmp_path: Path)
         "converged": True,
     }
     assert manifest["splits"]["train"]["documents"] == sorted(manifest["splits"]["train"]["documents"])
-    assert "decontamination: 2 moved into train (2 held-out, 0 val) for sharing > 0.5 of their 13-grams" in (
-        format_prepare_summary(manifest)
+    assert (
+        f"decontamination: 2 moved into train (2 held-out, 0 val) for sharing > 0.5 of their {N}-grams"
+        in (format_prepare_summary(manifest))
     )
     for split in ("heldout", "val"):
         fractions = _reference_fractions(Path(cfg.out), split)
@@ -365,3 +380,50 @@ def test_decontamination_moves_partial_copies_until_none_exceeds(tmp_path: Path)
 
 def _tokens(text: str) -> np.ndarray:
     return np.append(np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16), BYTES_EOT)
+
+
+def test_byte_level_decontamination_keeps_held_out_with_shared_boilerplate(tmp_path: Path, capsys) -> None:
+    """Byte-level n-grams are counted in bytes of about 13 BPE tokens (BYTES_N), not 13 bytes: documents
+    written in the same small vocabulary share nearly every 13-byte run with training but no 50-byte one,
+    and stay held out; a held-out document made of two training files is still moved."""
+    rng = random.Random(0)
+    vocabulary = ["self", "value", "return", "assert", "None", "index", "data", "name", "test", "list"]
+    cfg = PrepareConfig(
+        source=str(tmp_path / "corpus"),
+        out=str(tmp_path / "data"),
+        tokenizer="bytes",
+        val_ratio=0.1,
+        heldout_ratio=0.2,
+    )
+    files = {f"pkg/doc{i}.py": _words(rng, vocabulary, 40) for i in range(80)}
+    split_of = {name: assign_split(name, cfg.seed, cfg.val_ratio, cfg.heldout_ratio) for name in files}
+    first, second = [name for name in files if split_of[name] == "train"][:2]
+    copy = next(
+        f"vendored/copy{i}.py"
+        for i in range(1000)
+        if assign_split(f"vendored/copy{i}.py", cfg.seed, cfg.val_ratio, cfg.heldout_ratio) == "heldout"
+    )
+    files[copy] = files[first] + files[second]
+    for name, text in files.items():
+        (Path(cfg.source) / name).parent.mkdir(parents=True, exist_ok=True)
+        (Path(cfg.source) / name).write_text(text)
+    held_out = sorted(name for name in files if split_of.get(name) == "heldout")
+    assert len(held_out) >= 10
+
+    manifest = prepare(cfg, progress=False)
+    moved = manifest["dedup"]["moved_for_contamination"]
+    assert manifest["prepare"]["ngram_index"] == moved["n"] == BYTES_N == 50
+    assert (moved["documents"], moved["from_heldout"], moved["from_val"]) == ([copy], 1, 0)
+    assert manifest["splits"]["heldout"]["documents"] == held_out  # every other held-out document stays
+    assert copy in manifest["splits"]["train"]["documents"]
+    assert (Path(cfg.out) / f"ngrams-{BYTES_N}.npy").is_file()
+    assert "warning" not in capsys.readouterr().err
+
+    # 13-byte n-grams (the BPE convention applied to bytes) empty the held-out split, and prepare says so.
+    short = PrepareConfig(**{**cfg.__dict__, "out": str(tmp_path / "short"), "ngram_index": DEFAULT_N})
+    manifest = prepare(short, progress=False)
+    assert manifest["dedup"]["moved_for_contamination"]["from_heldout"] == len(held_out) + 1
+    assert manifest["splits"]["heldout"]["documents"] == []
+    err = capsys.readouterr().err
+    assert f"warning: decontamination moved {len(held_out) + 1} of {len(held_out) + 1} heldout" in err
+    assert f"longer --ngram-index (default: {BYTES_N})" in err

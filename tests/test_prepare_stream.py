@@ -163,6 +163,127 @@ def test_emit_slurm_writes_a_driver_job_beside_the_output(corpus, tmp_path):
     assert script.rstrip().endswith("--engine datatrove-slurm --resume") and "--emit" not in script
 
 
+FAKE_SLURM = {
+    # sbatch: job ids 1001, 1002, ... (datatrove submits the array, then a stats job depending on it)
+    "sbatch": 'n=$(cat "$FAKE_SLURM/count" 2>/dev/null || echo 1000); n=$((n + 1)); echo $n > "$FAKE_SLURM/count"\n'
+    'echo "Submitted batch job $n"',
+    # sacct and squeue print what the test wrote, or fail like a cluster without accounting
+    "sacct": '[ -f "$FAKE_SLURM/sacct" ] || { echo "accounting storage is disabled" >&2; exit 1; }\n'
+    'cat "$FAKE_SLURM/sacct"',
+    "squeue": '[ -f "$FAKE_SLURM/squeue" ] || exit 1; cat "$FAKE_SLURM/squeue"',
+    "scancel": 'echo "$@" >> "$FAKE_SLURM/scancel"',
+}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """sbatch, sacct, squeue and scancel as shell scripts on PATH (their state: the folder returned); the
+    driver's sleeps between polls return at once and are counted, and 50 polls are taken to mean forever."""
+    import tenx.data.prepare.engine as engine
+
+    state, bin_dir = tmp_path / "slurm-state", tmp_path / "bin"
+    state.mkdir()
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM", str(state))
+    polls: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if seconds < 1:  # subprocess's own short waits
+            return real_sleep(seconds)
+        polls.append(seconds)
+        if len(polls) >= 50:
+            raise AssertionError("the Slurm driver is still waiting after 50 polls")
+        for hook in state_hooks:
+            hook(len(polls))
+
+    state_hooks: list = []
+    monkeypatch.setattr(engine.time, "sleep", sleep)
+    return state, polls, state_hooks
+
+
+def test_slurm_driver_stops_naming_the_failed_array_task(corpus, tmp_path, fake_slurm):
+    pytest.importorskip("datatrove")
+    state, polls, _ = fake_slurm
+    (state / "sacct").write_text("1001_0|COMPLETED\n1001_1|FAILED\n1001_2|RUNNING\n")
+    out = tmp_path / "out"
+    cfg = config(corpus, out, engine="datatrove-slurm", slurm_partition="cpu", tasks=3)
+    with pytest.raises(DataError) as caught:
+        prepare(cfg, progress=False)
+    message = str(caught.value)
+    logs = out / stream.WORK_DIR / "datatrove-scan"
+    assert message.startswith("scan: Slurm job 1001: task 1001_1 FAILED (rank 1: ")
+    assert str(logs / "logs" / "task_00001.log") in message
+    assert str(logs / "slurm_logs" / "1001_1.out") in message
+    assert "1 other tasks are still queued or running" in message and "scancel 1001" in message
+    assert "--resume" in message and "1001_0" not in message  # a completed task is not blamed
+    assert polls == []  # stopped at the first look, without waiting
+    assert (state / "scancel").read_text().split() == ["1002"]  # the stats job, which would never run
+
+
+def test_slurm_driver_stops_when_tasks_leave_the_queue_without_finishing(corpus, tmp_path, fake_slurm):
+    pytest.importorskip("datatrove")
+    import tenx.data.prepare.engine as engine
+
+    state, polls, _ = fake_slurm
+    (state / "squeue").write_text("999_0|RUNNING\n")  # no accounting; squeue shows only another job
+    cfg = config(corpus, tmp_path / "out", engine="datatrove-slurm", slurm_partition="cpu", tasks=2)
+    with pytest.raises(
+        DataError,
+        match=r"scan: Slurm job 1001: task 1001_0 left the queue without its "
+        r"completion marker \(rank 0: .*task 1001_1 left the queue",
+    ):
+        prepare(cfg, progress=False)
+    assert len(polls) == engine.SLURM_GONE_POLLS  # a shared filesystem's lag is allowed for, then no more
+
+
+def test_slurm_driver_waits_for_running_tasks_and_maps_each_array_to_its_ranks(tmp_path, fake_slurm):
+    pytest.importorskip("datatrove")
+    from datatrove.executor import SlurmPipelineExecutor
+
+    import tenx.data.prepare.engine as engine
+
+    state, polls, hooks = fake_slurm
+    executor = SlurmPipelineExecutor(
+        pipeline=[],
+        tasks=5,
+        time="1:00:00",
+        partition="cpu",
+        logging_dir=str(tmp_path / "logs"),
+        max_array_size=2,
+    )
+    with executor.logging_dir.open("ranks_to_run.json", "w") as f:
+        f.write("[0, 2, 3, 4]")  # rank 1 finished before: 3 arrays of at most 2 tasks
+    executor.mark_rank_as_completed(1)
+    (state / "sacct").write_text("1001_0|RUNNING\n1001_1|RUNNING\n1003_0|RUNNING\n1003_1|PENDING\n")
+    hooks.append(lambda poll: executor.mark_rank_as_completed([0, 2, 3, 4][poll - 1]))
+    engine.wait_for_slurm(executor, ["1001", "1003"], "tokenize", str(tmp_path / "logs"))
+    assert polls == [engine.SLURM_POLL_S] * 4  # one rank finishes per poll; none is blamed meanwhile
+
+    for rank in (3, 4):
+        executor.logging_dir.rm(f"completions/{rank:05d}")
+    (state / "sacct").write_text(
+        "1001_0|COMPLETED\n1001_1|COMPLETED\n1003_0|CANCELLED by 0\n1003_1|TIMEOUT\n"
+    )
+    with pytest.raises(
+        DataError,
+        match=r"tokenize: Slurm job 1001, 1003: task 1003_0 CANCELLED \(rank 3: .*"
+        r"task_00003.log\); task 1003_1 TIMEOUT \(rank 4: ",
+    ):
+        engine.wait_for_slurm(executor, ["1001", "1003"], "tokenize", str(tmp_path / "logs"))
+
+    (state / "sacct").unlink()  # neither sacct nor squeue answers: bounded, then an error
+    polls.clear()
+    hooks.clear()
+    with pytest.raises(DataError, match="neither sacct nor squeue answered about Slurm jobs 1001, 1003"):
+        engine.wait_for_slurm(executor, ["1001", "1003"], "tokenize", str(tmp_path / "logs"))
+    assert len(polls) == engine.SLURM_QUERY_FAILURES - 1
+
+
 def test_a_foreign_work_directory_or_sbatch_file_is_never_touched(corpus, tmp_path):
     out = tmp_path / "o"
     (out / stream.WORK_DIR).mkdir(parents=True)

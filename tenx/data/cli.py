@@ -92,7 +92,13 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 def _index_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("data_dir", help="a prepared data directory")
-    p.add_argument("--n", type=int, default=13, help="n-gram length in tokens (default 13)")
+    p.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="n-gram length in tokens (default: the one the directory was prepared with; else 13 for BPE, "
+        "50 for bytes)",
+    )
 
 
 def _data_commands(p: argparse.ArgumentParser) -> None:

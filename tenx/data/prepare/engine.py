@@ -2,7 +2,8 @@
 
 Where one machine's cores are not enough, the scan and the tokenize pass (tenx/data/prepare/stream.py) run as
 datatrove pipeline steps over `tasks` ranks: locally with `LocalPipelineExecutor` (a process pool), or on a
-cluster with `SlurmPipelineExecutor` (job arrays; the driver waits for every rank's completion marker).
+cluster with `SlurmPipelineExecutor` (job arrays; the driver waits for every rank's completion marker, and
+stops naming the job, task, rank and logs as soon as sacct or squeue shows a task failed: `wait_for_slurm`).
 Task r handles the documents whose read position is r modulo the task count (a directory's other files are
 not even read), writes its results to `OUT/.prepare-work/` (a shared filesystem on a cluster) under a
 temporary name and renames them when done; datatrove records completed ranks in its logging directory and
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -184,6 +186,7 @@ def run_stage(stage: str, cfg: Any, work: stream.Work, extra: tuple = ()) -> int
             raise ConfigError(
                 "engine 'datatrove-slurm' needs --slurm-partition (the partition the tasks run on)"
             )
+        job_ids = SlurmJobIds()
         executor = SlurmPipelineExecutor(
             pipeline=pipeline,
             tasks=tasks,
@@ -192,14 +195,197 @@ def run_stage(stage: str, cfg: Any, work: stream.Work, extra: tuple = ()) -> int
             logging_dir=logs,
             job_name=f"tenx-prepare-{stage}",
             cpus_per_task=1,
+            job_id_retriever=job_ids,
         )
         executor.run()
-        while executor.get_incomplete_ranks():  # the driver waits for every rank's completion marker
-            time.sleep(30)
+        # datatrove submits one job array per max_array_size ranks to run, then a job merging their stats
+        # (afterok: it never runs when a task fails, so it is cancelled then).
+        launched = math.ceil(len(_ranks_to_run(executor)) / _array_size(executor)) if job_ids.ids else 0
+        arrays = job_ids.ids[:launched]
+        try:
+            wait_for_slurm(executor, arrays, stage, logs)
+        except DataError:
+            for job in job_ids.ids[len(arrays) :]:
+                _run_slurm(["scancel", job])
+            raise
     missing = [r for r in range(tasks) if not executor.is_rank_completed(r)]
     if missing:
         raise DataError(f"{stage}: datatrove tasks {missing[:5]} did not complete; see {logs}, then --resume")
     return tasks
+
+
+SLURM_POLL_S = 30.0
+"""Seconds between two looks at the job arrays (completion markers, then sacct or squeue)."""
+SLURM_QUERY_TIMEOUT_S = 60.0
+"""A sacct or squeue call that takes longer counts as no answer."""
+SLURM_QUERY_FAILURES = 20
+"""Consecutive polls without an answer from sacct or squeue (10 minutes) after which the driver stops."""
+SLURM_GONE_POLLS = 2
+"""Polls a task may have left the queue while its completion marker is still missing (a shared filesystem
+can show a file late) before it counts as failed."""
+SLURM_FAILED_STATES = (
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+)
+"""Final Slurm job states of a task that did not finish its work (sacct prints `CANCELLED by UID`)."""
+
+
+class SlurmJobIds:
+    """datatrove's `job_id_retriever` (the id is sbatch's last word) that also records every id, in order."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def __call__(self, sbatch_output: str) -> str:
+        words = sbatch_output.split()
+        if not words:
+            raise DataError("sbatch printed no job id; check the Slurm submission (partition, account)")
+        self.ids.append(words[-1].split(";")[0])  # `--parsable` on a federation prints ID;CLUSTER
+        return self.ids[-1]
+
+
+def _run_slurm(argv: list[str]) -> str | None:
+    """stdout of a Slurm command, or None when it is missing, fails or hangs."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=SLURM_QUERY_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def slurm_task_states(job_ids: list[str]) -> dict[str, str] | None:
+    """The state of each task of the jobs `job_ids` ('123_4': 'FAILED'; a pending range such as '123_[5-9]'
+    is one entry): sacct's when accounting answers for them, else squeue's (which lists active tasks only,
+    so a finished task is absent); None when neither command answers."""
+    import getpass
+
+    if not job_ids:
+        return {}
+    ours = set(job_ids)
+    states: dict[str, str] = {}
+    out = _run_slurm(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State"])
+    for line in (out or "").splitlines():
+        task, _, state = line.strip().partition("|")
+        if task.split("_")[0] in ours and state:
+            states[task] = state.split()[0]
+    if states:
+        return states
+    out = _run_slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T"])
+    if out is None:
+        return None
+    for line in out.splitlines():
+        task, _, state = line.strip().partition("|")
+        if task.split("_")[0] in ours and state:
+            states[task] = state
+    return states
+
+
+def wait_for_slurm(executor: Any, job_ids: list[str], stage: str, logs: str) -> None:
+    """Wait until every rank of the job arrays `job_ids` has its completion marker; raise DataError naming
+    the job, the failed tasks, their ranks and their logs as soon as Slurm reports a task failed, cancelled
+    or timed out, or when tasks left the queue without their marker, or when Slurm cannot be asked."""
+    gone = unanswered = 0
+    while True:
+        incomplete = executor.get_incomplete_ranks()
+        if not incomplete:
+            return
+        states = slurm_task_states(job_ids)
+        if states is None:
+            unanswered += 1
+            if unanswered >= SLURM_QUERY_FAILURES:
+                raise DataError(
+                    f"{stage}: neither sacct nor squeue answered about Slurm jobs {', '.join(job_ids)} for "
+                    f"{unanswered} polls; the tasks may still run (see squeue), then rerun with --resume"
+                )
+        else:
+            unanswered = 0
+            task_rank = _task_ranks(executor, job_ids)
+            waiting = {*incomplete, -1}  # -1: a task whose rank is unknown
+            failed = {
+                task: state
+                for task, state in sorted(states.items(), key=lambda item: (task_rank.get(item[0], -1), item))
+                if state in SLURM_FAILED_STATES and task_rank.get(task, -1) in waiting
+            }
+            active = [task for task, state in states.items() if state != "COMPLETED" and task not in failed]
+            if failed:
+                _raise_failed(executor, stage, logs, job_ids, failed, task_rank, active)
+            gone = 0 if active else gone + 1
+            if gone > SLURM_GONE_POLLS:  # no task queued or running, yet ranks lack their marker
+                lost = {
+                    task: "left the queue without its completion marker"
+                    for task, rank in sorted(task_rank.items(), key=lambda item: item[1])
+                    if rank in waiting
+                } or {f"rank {rank}": "has no completion marker" for rank in incomplete}
+                _raise_failed(executor, stage, logs, job_ids, lost, task_rank, [])
+        time.sleep(SLURM_POLL_S)
+
+
+def _ranks_to_run(executor: Any) -> list[int]:
+    """The ranks the last launch submitted, in array order (datatrove's ranks_to_run.json)."""
+    with executor.logging_dir.open("ranks_to_run.json", "r") as f:
+        return json.load(f)
+
+
+def _array_size(executor: Any) -> int:
+    """Tasks per job array (datatrove's max_array_size, -1: all in one; one rank per task)."""
+    return executor.max_array_size if executor.max_array_size > 0 else max(1, executor.tasks)
+
+
+def _task_ranks(executor: Any, job_ids: list[str]) -> dict[str, int]:
+    """'JOB_INDEX' -> datatrove rank, for each task of the arrays (job k's index i runs rank
+    ranks_to_run[k * max_array_size + i], as SlurmPipelineExecutor.run reads it)."""
+    ranks = _ranks_to_run(executor)
+    step = _array_size(executor)
+    return {
+        f"{job}_{i}": ranks[k * step + i]
+        for k, job in enumerate(job_ids)
+        for i in range(min(step, len(ranks) - k * step))
+    }
+
+
+def _raise_failed(
+    executor: Any,
+    stage: str,
+    logs: str,
+    job_ids: list[str],
+    failed: dict[str, str],
+    task_rank: dict[str, int],
+    active: list[str],
+) -> NoReturn:
+    """Raise the DataError of failed tasks: job, tasks, states, ranks, their logs, and what to do."""
+    shown = list(failed.items())[:5]
+    tasks = "; ".join(
+        f"task {task} {state}"
+        + (
+            f" (rank {task_rank[task]}: {Path(logs) / 'logs' / f'task_{task_rank[task]:05d}.log'})"
+            if task in task_rank
+            else ""
+        )
+        for task, state in shown
+    )
+    more = f" and {len(failed) - len(shown)} more" if len(failed) > len(shown) else ""
+    slurm_log = Path(executor.slurm_logs_folder) / (f"{shown[0][0]}.out" if shown[0][0] in task_rank else "")
+    still = (
+        f"; {len(active)} other tasks are still queued or running: let them finish (their ranks are kept) "
+        f"or `scancel {' '.join(job_ids)}` before resuming"
+        if active
+        else ""
+    )
+    raise DataError(
+        f"{stage}: Slurm job {', '.join(job_ids)}: {tasks}{more}; Slurm's output of a task is "
+        f"{slurm_log} (one JOB_INDEX.out per task){still}; fix the cause, then rerun with --resume "
+        "(completed ranks are skipped)"
+    )
 
 
 def emit_slurm(cfg: Any, argv: list[str]) -> Path:

@@ -24,7 +24,13 @@ from tenx.data.manifest import (
     read_manifest,
     verify_split,
 )
-from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD, INDEX_FILE, load_index, remove_stale_indexes
+from tenx.data.ngrams import (
+    DEFAULT_CONTAMINATION_THRESHOLD,
+    INDEX_FILE,
+    default_n,
+    load_index,
+    remove_stale_indexes,
+)
 from tenx.data.prepare.dedup import group_splits, groups_from_signatures
 from tenx.data.prepare.engine import merge_scan, merge_tokenize, run_stage
 from tenx.data.prepare.partitioned import Partitions, decontaminate_partitions, fill, write_index
@@ -46,6 +52,8 @@ from tenx.utils.io import atomic_write_json, fsync_dir
 TOKENIZERS = ("bpe", "bytes")
 TOKENIZER_SAMPLE_MB = 256.0
 """Default tokenizer sample: more than the standard library (31 MB), so small corpora use every document."""
+MIN_SPLIT_FOR_WARNING = 4
+"""Decontamination warns when it moves most of a val or held-out split at least this large."""
 
 _SHARD_NAME = re.compile(r"^(train|val|heldout)_\d{5}\.(bin|idx)$")
 
@@ -89,11 +97,12 @@ class PrepareConfig:
         "split, their smallest id's; 0 turns the check off",
     )
     near_dup_shingle: int = field(5, ge=1, le=64, help="words per shingle of the near-duplicate check")
-    ngram_index: int = field(
-        13,
+    ngram_index: int | None = field(
+        None,
         ge=0,
         le=1024,
-        help="write ngrams-N.npy, the hashed N-token n-grams of the train split (decontamination); 0: none",
+        help="write ngrams-N.npy, the hashed N-token n-grams of the train split (decontamination); 0: none; "
+        "default: 13 for BPE, 50 for bytes (about the same text: tenx.data.ngrams.BYTES_N)",
     )
     contamination_threshold: float = field(
         DEFAULT_CONTAMINATION_THRESHOLD,
@@ -125,6 +134,11 @@ class PrepareConfig:
     tasks: int | None = field(None, ge=1, help="datatrove engines: tasks per pass (default: workers)")
     slurm_partition: str = field("", help="datatrove-slurm: the partition the tasks run on")
     slurm_time: str = field("24:00:00", help="datatrove-slurm: time limit of a task")
+
+    @property
+    def ngram_n(self) -> int:
+        """The decontamination n-gram length in use: ngram_index, or the tokenizer's default (0: none)."""
+        return default_n(self.tokenizer) if self.ngram_index is None else self.ngram_index
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and what it accepts."""
@@ -171,8 +185,10 @@ class PrepareConfig:
             value = getattr(self, name)
             if not _is_int(value) and not (kind == "a number" and isinstance(value, float)):
                 raise ConfigError(f"{name} must be {kind}, got {value!r}")
-        if not _is_int(self.ngram_index):
-            raise ConfigError(f"ngram_index must be an integer (0: no index), got {self.ngram_index!r}")
+        if self.ngram_index is not None and not _is_int(self.ngram_index):
+            raise ConfigError(
+                f"ngram_index must be null or an integer (0: no index), got {self.ngram_index!r}"
+            )
         check_bounds(self)
         if self.engine == "datatrove-slurm" and not self.slurm_partition:
             raise ConfigError(
@@ -266,7 +282,7 @@ def _prepare(
     reader = TokenReader(work, offsets, dtype)
     try:
         added: list[np.ndarray] = []
-        if cfg.ngram_index:
+        if cfg.ngram_n:
             dedup.moved_for_contamination, added, partitions = _move_contaminated(
                 cfg, work, members, ids, reader, tokenizer.eot_id, int(offsets["length"].sum())
             )
@@ -291,9 +307,9 @@ def _prepare(
     atomic_write_json(out / MANIFEST_NAME, manifest)
     _remove_stale_files(out, manifest, previous)
     remove_stale_indexes(out)
-    if cfg.ngram_index:
+    if cfg.ngram_n:
         shards = [shard["xxhash"] for shard in splits["train"]["shards"]]
-        write_index(out, partitions, added, cfg.ngram_index, tokenizer.eot_id, shards)
+        write_index(out, partitions, added, cfg.ngram_n, tokenizer.eot_id, shards)
     lap("shards and index")
     work.clear()
     if progress:
@@ -327,8 +343,8 @@ def is_prepared(cfg: PrepareConfig) -> bool:
         load_tokenizer(cfg.out, manifest["tokenizer"])
         for split in SPLITS:
             verify_split(cfg.out, manifest, split)
-        if cfg.ngram_index:
-            load_index(cfg.out, cfg.ngram_index)
+        if cfg.ngram_n:
+            load_index(cfg.out, cfg.ngram_n)
     except DataError:
         return False
     return True
@@ -401,8 +417,8 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
         "max_documents": cfg.max_documents,
         "near_dup_threshold": cfg.near_dup_threshold,
         "near_dup_shingle": cfg.near_dup_shingle if cfg.near_dup_threshold else None,
-        "ngram_index": cfg.ngram_index,
-        "contamination_threshold": cfg.contamination_threshold if cfg.ngram_index else None,
+        "ngram_index": cfg.ngram_n,
+        "contamination_threshold": cfg.contamination_threshold if cfg.ngram_n else None,
         # recorded only when it differs from the default, so that earlier manifests stay valid
         **(
             {"tokenizer_sample_mb": cfg.tokenizer_sample_mb}
@@ -470,17 +486,26 @@ def _move_contaminated(
     documents = itertools.chain(
         (("train", reader(i)) for i in members["train"]), (("held", reader(i)) for i in held)
     )
-    windows = fill(partitions, documents, cfg.ngram_index, eot_id, len(held))
+    windows = fill(partitions, documents, cfg.ngram_n, eot_id, len(held))
     result, added = decontaminate_partitions(partitions, windows, cfg.contamination_threshold)
     moving = {held[i] for i in result.moved}
     moved = sorted(ids[i] for i in moving)
     record: dict[str, Any] = {
-        "n": cfg.ngram_index,
+        "n": cfg.ngram_n,
         "threshold": cfg.contamination_threshold,
         "count": len(moved),
     }
     for name in ("val", "heldout"):
         record[f"from_{name}"] = sum(i in moving for i in members[name])
+        if record[f"from_{name}"] * 2 > len(members[name]) >= MIN_SPLIT_FOR_WARNING:
+            print(
+                f"warning: decontamination moved {record[f'from_{name}']} of {len(members[name])} {name} "
+                f"documents into train for sharing > {cfg.contamination_threshold:g} of their "
+                f"{cfg.ngram_n}-token n-grams with it: n-grams this short match ordinary boilerplate for "
+                f"tokenizer {cfg.tokenizer!r}; prepare again with a longer --ngram-index (default: "
+                f"{default_n(cfg.tokenizer)}) unless the {name} split really is mostly copies",
+                file=sys.stderr,
+            )
         members["train"] += [i for i in members[name] if i in moving]
         members[name] = [i for i in members[name] if i not in moving]
     members["train"].sort(key=ids.__getitem__)
