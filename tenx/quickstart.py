@@ -5,10 +5,14 @@ held-out documents beside xz -9e on exactly the same bytes. Re-running reuses pr
 finished run; an interrupted run resumes from its newest verified checkpoint.
 
 The run fits a wall-clock budget (10 minutes by default) on any CPU: a few timed steps measure this
-machine's training speed (bf16 where the CPU has native bf16, else fp32, ~3x slower), and the step count
-is what the time left after preparation, evaluation and xz allows, capped by the config's steps; a CPU
-that could train under 80% of them trains the next shallower model instead (about twice as fast). The
-plan is kept in OUT/plan.json so that a resumed quickstart trains the same schedule.
+machine's training speed (bf16 where the CPU has native bf16, else fp32, ~3x slower) and give the first
+step count, what the time left after preparation, evaluation and xz allows, capped by the config's steps;
+a CPU that could train under 80% of them trains the next shallower model instead (about twice as fast).
+That probe lasts seconds, and the machine's load may change after it, so training keeps to the budget by
+itself: a `WallBudget` (tenx/train/callbacks/budget.py) re-plans the step count and the schedule's length
+at every step from the speed observed, keeping the evaluation's share of the time at that speed too. The
+plan is kept in OUT/plan.json, and the budget's state in every checkpoint, so that a resumed quickstart
+continues the same schedule with the time that is left.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from tenx.eval.evaluate import evaluate
 from tenx.hardware import cpu_name, pick_device, resolve_precision
 from tenx.monitor.loss_plot import plot_loss_curve
 from tenx.scaling.ladder import measure_tokens_per_s
-from tenx.train.config import load_run_config, resolve_config_path
+from tenx.train.callbacks.budget import WallBudget, planned_steps
+from tenx.train.config import RunConfig, load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.run import train
 from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
@@ -40,6 +45,9 @@ from tenx.utils.io import atomic_write_json, read_json_object
 _RESERVE_S = 20.0  # xz -9e on the held-out bytes, the loss plot, the trainer's start-up (measured: 15 s)
 _LOOP_EFFICIENCY = 0.95  # steps took 99% of a quickstart run's loop; the rest covers a probe that ran fast
 _MIN_STEPS = 100
+_END_STEPS = 2.0  # the final checkpoint's save, in steps' time (the budget keeps it at the end)
+_clock = time.perf_counter  # the quickstart's seconds (tests simulate a machine with their own)
+_BUDGET_FIELDS = ("budget_s", "reserve_steps", "max_steps")  # plan.json's settings of the budget
 _SHAPE_KEYS = {"model.depth", "model.d_model"}  # a shape the user chose is kept
 _SMALLER_BELOW = 0.8  # a budget for less than this share of the config's steps trains a shallower model
 
@@ -52,18 +60,20 @@ def quickstart(
     source: str = "stdlib",
     tokenizer: str = "bpe",
     overrides: list[str] | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Run the quickstart into `out` within about `minutes` of wall time; returns (and writes)
     summary.json. `steps` fixes the step count instead of fitting it to the budget.
 
     `source`, `tokenizer` and config `overrides` exist for tests and experiments; the defaults are the
-    README's main job.
+    README's main job. `started`: the Unix time the budget counts from (default: this call; `tenx
+    quickstart` gives its process's start, so that its imports count too).
     """
     if not (math.isfinite(minutes) and minutes > 0):
         raise ConfigError(f"--minutes must be a finite number > 0, got {minutes}")
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
-    t0 = time.perf_counter()
+    t0 = _clock() - (max(0.0, time.time() - started) if started is not None else 0.0)
     out = Path(out)
     data_dir, run_dir = out / "data", out / "run"
     run = rundir.RunDir(run_dir)
@@ -77,17 +87,29 @@ def quickstart(
 
     settings = [f'data.dir="{data_dir}"', *(overrides or [])]
     existing = ckpt.list_checkpoints(run.checkpoints)
-    plan = _plan(out, data_dir, settings, steps, minutes, time.perf_counter() - t0, bool(existing))
+    plan = _plan(out, data_dir, settings, steps, minutes, _clock() - t0, bool(existing))
     cfg = load_run_config(resolve_config_path("quickstart"), settings + plan["settings"])
     latest, _ = ckpt.latest_verified(run.checkpoints)
-    if latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= (cfg.train.steps or 0):
+    meta = ckpt.read_checkpoint_meta(latest) if latest is not None else {}
+    # a budgeted run ends where its budget's plan did; --steps N asks for N, whatever was planned before
+    target = (cfg.train.steps or 0) if steps is not None else planned_steps(meta, cfg.train.steps or 0)
+    if latest is not None and meta["step"] >= target:
         print(f"[2/4] reusing finished run in {run_dir}")
+        trained = int(meta["step"])
     else:
-        print(
-            f"[2/4] training configs/quickstart.toml (depth {cfg.model.depth}) for {cfg.train.steps} steps "
-            f"into {run_dir}"
+        budget = _budget(plan, cfg)
+        count = (
+            f"about {cfg.train.steps} steps, as the budget allows," if budget else f"{cfg.train.steps} steps"
         )
-        train(cfg, run_dir, resume="auto" if existing else None)
+        print(f"[2/4] training configs/quickstart.toml (depth {cfg.model.depth}) for {count} into {run_dir}")
+        resume = "auto" if existing else None
+        trainer, _ = train(cfg, run_dir, resume=resume, extra_callbacks=[budget] if budget else None)
+        trained = trainer.step
+        if budget:
+            print(
+                f"      trained {trained} steps in {budget.spent():.0f} s of the {budget.seconds:.0f} s "
+                f"the budget left for training (the first plan: {plan['steps']})"
+            )
 
     print("[3/4] evaluating on the held-out split")
     # windows that overlap by half: every scored token sees at least seq_len/2 tokens of context, as a
@@ -115,9 +137,10 @@ def quickstart(
         "beats_xz": heldout["bits_per_byte"] < xz_bpb,
         "prequential_bits_per_byte": prequential.get("bits_per_byte"),
         "prequential_same_bytes": same or None,
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": _clock() - t0,
         "budget_minutes": plan.get("minutes"),
-        "steps": cfg.train.steps,
+        "steps": trained,
+        "planned_steps": plan.get("steps"),
         "depth": cfg.model.depth,
         "probe_tokens_per_s": plan.get("tokens_per_s"),
         "precision": plan.get("precision"),
@@ -139,6 +162,20 @@ def quickstart(
         f"wall time: {summary['wall_seconds']:.0f} s ({summary['wall_seconds'] / 60:.1f} min) on {cpu_name()}"
     )
     return summary
+
+
+def _budget(plan: dict[str, Any], cfg: RunConfig) -> WallBudget | None:
+    """The wall-clock budget the plan asks for (none with --steps, or for a plan written before budgets)."""
+    if "budget_s" not in plan:
+        return None
+    return WallBudget(
+        max(1.0, float(plan["budget_s"])),
+        reserve_steps=float(plan["reserve_steps"]),
+        min_steps=_MIN_STEPS,
+        max_steps=int(plan["max_steps"]),
+        warmup_steps=cfg.optim.warmup_steps,
+        clock=_clock,
+    )
 
 
 def _prequential_line(prequential: dict[str, Any], same: dict[str, Any]) -> str:
@@ -167,7 +204,11 @@ def _plan(
     if steps is None and resuming and path.is_file():
         try:
             kept = json.loads(path.read_text())
-            if isinstance(kept.get("settings"), list) and all(isinstance(x, str) for x in kept["settings"]):
+            if (
+                isinstance(kept.get("settings"), list)
+                and all(isinstance(x, str) for x in kept["settings"])
+                and all(isinstance(kept.get(k, 0), (int, float)) for k in _BUDGET_FIELDS)
+            ):
                 return kept
         except (OSError, ValueError):
             pass
@@ -182,7 +223,7 @@ def _plan(
     manifest = read_manifest(data_dir)
     heldout_tokens = int(manifest["splits"]["heldout"]["tokens"])
     tokens_per_step = run_tokens_per_step(cfg.train, cfg.model.seq_len, 1)
-    started = time.perf_counter() - spent_s  # when the quickstart began
+    started = _clock() - spent_s  # when the quickstart began
 
     def fit(run_cfg: Any) -> tuple[int, float]:
         """(steps the budget allows, tokens/s) for run_cfg on this machine."""
@@ -190,7 +231,7 @@ def _plan(
         # evaluation is forward-only (about 3x a training step per token), each token scored in two
         # windows; xz -9e, the plot and start-up
         reserve_s = 2 * heldout_tokens / (3 * tokens_per_s) + _RESERVE_S
-        train_s = minutes * 60 - (time.perf_counter() - started) - reserve_s
+        train_s = minutes * 60 - (_clock() - started) - reserve_s
         # the loop's own work (validation, checkpoints, logging) takes about this share of a run's steps
         return int(_LOOP_EFFICIENCY * train_s * tokens_per_s / tokens_per_step), tokens_per_s
 
@@ -211,7 +252,9 @@ def _plan(
         fitted, tokens_per_s = fit(small)
         cap, cfg = small.train.steps or cap, small
     chosen = max(_MIN_STEPS, min(cap, fitted))
-    every = max(1, chosen // 5)
+    # validation and checkpoints about every fifth of the run; a probe that ran slow must not make them
+    # many, as the budget may then train many more steps than planned
+    every = max(1, max(chosen, cap // 4) // 5)
     plan = {
         "settings": [
             *shape_settings[:1],
@@ -227,11 +270,23 @@ def _plan(
         "depth": cfg.model.depth,
         "cpu": cpu_name(),
         "train_seconds_planned": chosen * tokens_per_step / tokens_per_s,
+        # for the budget that keeps training to the minutes whatever the speed does next
+        "budget_s": minutes * 60 - (_clock() - started) - _RESERVE_S,
+        "reserve_steps": _evaluation_steps(heldout_tokens, cfg, tokens_per_step) + _END_STEPS,
+        "max_steps": max(cap, _MIN_STEPS),
     }
     atomic_write_json(path, plan)
     limit = "the config's" if chosen == cap and fitted > cap else "what the budget allows"
     print(
         f"      {tokens_per_s:,.0f} tokens/s: training {chosen} steps ({limit}), about "
-        f"{plan['train_seconds_planned'] / 60:.1f} min of a {minutes:g}-minute budget"
+        f"{plan['train_seconds_planned'] / 60:.1f} min of a {minutes:g}-minute budget; the step count then "
+        "follows the speed observed while training"
     )
     return plan
+
+
+def _evaluation_steps(heldout_tokens: int, cfg: Any, tokens_per_step: int) -> float:
+    """The evaluation after training (every held-out token scored in two windows) and the last step's
+    validation, in training steps' time: a forward pass costs about a third of a training step per token."""
+    validation_tokens = cfg.train.eval_batches * cfg.train.micro_batch * cfg.model.seq_len
+    return (2 * heldout_tokens + validation_tokens) / (3 * tokens_per_step)

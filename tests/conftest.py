@@ -62,3 +62,26 @@ def tiny_corpus_multishard(corpus_dir, tmp_path_factory) -> Path:
         progress=False,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def two_source_data(tmp_path_factory) -> Path:
+    """Two data sources, `digits/` and `letters/` (random words of each, seeded), prepared with the byte
+    tokenizer so that the validation split holds documents of both."""
+    import random
+
+    root = tmp_path_factory.mktemp("two-sources")
+    rng = random.Random(0)
+    for source, alphabet in (("digits", "0123456789"), ("letters", "abcdefghijklmnopqrstuvwxyz")):
+        (root / "corpus" / source).mkdir(parents=True)
+        for i in range(16):
+            words = ("".join(rng.choices(alphabet, k=rng.randint(3, 9))) for _ in range(400))
+            (root / "corpus" / source / f"{i:02d}.txt").write_text(" ".join(words) + "\n")
+    out = root / "data"
+    prepare(
+        PrepareConfig(
+            source=str(root / "corpus"), out=str(out), tokenizer="bytes", val_ratio=0.3, heldout_ratio=0.1
+        ),
+        progress=False,
+    )
+    return out

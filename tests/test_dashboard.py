@@ -1,5 +1,6 @@
 """The dashboard (tenx.monitor.dashboard): a run's view, the read-only server, the offline report, and the
-page in headless Chromium.
+page in headless Chromium, whose every figure is compared with one computed here from the run's files;
+and `tenx status`'s list of events.
 
 The browser tests need Chromium and its WebDriver (Debian: `apt-get install chromium chromium-driver`;
 .ci/run installs them) and skip, saying so, where either is missing. With
@@ -30,7 +31,8 @@ from tenx.errors import TenxError
 from tenx.monitor.dashboard.data import RunView, unique_names
 from tenx.monitor.dashboard.page import is_report
 from tenx.monitor.dashboard.server import DashboardServer, unsafe_path
-from tenx.monitor.goodput import Ledger
+from tenx.monitor.events import EventLog
+from tenx.monitor.goodput import Ledger, compute_goodput
 from tenx.monitor.metrics_file import read_metrics
 from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.rundir import RunDir
@@ -41,18 +43,19 @@ from tenx.utils.net import parse_bind
 STEPS = 30
 FAULTS = ["spike@step=8", "nan@step=12", "slow@step=16,seconds=0.05", "bitflip@step=20"]
 FAULT_STEPS = {"spike": 8, "nan": 12, "slow": 16, "bitflip": 20}
-LAYERS = ["embed", "0", "1", "head"]
+SOURCES = ["digits", "letters"]
+"""The data sources of the runs' validation split (the `two_source_data` fixture)."""
 
 
-def _stats_keys(step: int) -> dict[str, float]:
-    """Per-layer statistics as tenx.monitor.internals names them, for runs trained without that callback."""
-    keys = {}
-    for i, layer in enumerate(LAYERS):
-        keys[f"stats/grad_norm/{layer}"] = 0.5 * (i + 1) / math.sqrt(step)
-        keys[f"stats/update_ratio/{layer}"] = 1e-3 * (i + 1) * math.exp(-step / 20)
-    keys["stats/logit_max"] = 5.0 + 0.1 * step
-    keys["stats/step_time_s/rank0"] = 0.02 + (0.05 if step == FAULT_STEPS["slow"] else 0.0)
-    return keys
+def _records(run: Path) -> list[dict]:
+    """metrics.jsonl read with nothing but json: what the page must show, found independently of tenx's
+    readers (NaN, as Python's json writes it, stays a float NaN)."""
+    return [json.loads(line) for line in RunDir(run).metrics.read_text().splitlines()]
+
+
+def _shown(value):
+    """A figure as the page's JSON carries it: a non-finite number is null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _predict(records: list[dict]) -> Prediction:
@@ -76,32 +79,30 @@ def _predict(records: list[dict]) -> Prediction:
     )
 
 
-def _tiny_run(tiny_config, tiny_data, run: Path, *overrides: str) -> Path:
-    """A finished 30-step tiny run with a prediction.json and per-layer statistics (written into its
-    metrics where the run did not log them itself)."""
+def _tiny_run(tiny_config, data: Path, run: Path, *overrides: str) -> Path:
+    """A finished 30-step tiny run with a prediction.json; every statistic in its metrics is one the run
+    logged itself (nothing is made up for the page to show)."""
     settings = ("train.steps=30", "train.eval_every=10", "checkpoint.every=10", "monitor.stats_every=5")
-    train(tiny_config(tiny_data, *settings, *overrides), run)
+    train(tiny_config(data, *settings, *overrides), run)
     records = read_metrics(RunDir(run).metrics)
-    if not any(k.startswith("stats/grad_norm/") for r in records for k in r):
-        for r in records:
-            if r["step"] % 5 == 0:
-                r.update(_stats_keys(r["step"]))
-        RunDir(run).metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    logged = [r["step"] for r in records if any(k.startswith("stats/grad_norm/") for k in r)]
+    assert logged == [5, 10, 15, 20, 25, 30], f"the run logged statistics at steps {logged}"
     write_prediction(RunDir(run).prediction, _predict(records))
     return run
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_config, tiny_data, tmp_path_factory) -> Path:
+def finished_run(tiny_config, two_source_data, tmp_path_factory) -> Path:
     """A finished tiny run with spike, nan, slow and bitflip faults injected."""
     run = tmp_path_factory.mktemp("dashboard") / "faulty"
-    return _tiny_run(tiny_config, tiny_data, run, f"faults.inject={json.dumps(FAULTS)}")
+    return _tiny_run(tiny_config, two_source_data, run, f"faults.inject={json.dumps(FAULTS)}")
 
 
 @pytest.fixture(scope="module")
-def other_run(tiny_config, tiny_data, tmp_path_factory) -> Path:
+def other_run(tiny_config, two_source_data, tmp_path_factory) -> Path:
     """A finished tiny run without faults, at a lower learning rate: replayed as a run still training."""
-    return _tiny_run(tiny_config, tiny_data, tmp_path_factory.mktemp("dashboard") / "done", "optim.lr=3e-3")
+    run = tmp_path_factory.mktemp("dashboard") / "done"
+    return _tiny_run(tiny_config, two_source_data, run, "optim.lr=3e-3")
 
 
 # ----- the view ---------------------------------------------------------------------------------------
@@ -128,6 +129,15 @@ def test_the_view_of_a_finished_run_has_every_step_event_and_statistic(finished_
     assert grad["step"][:2] == [5, 10] and len(grad["z"]) == len(grad["layers"])
     assert all(len(row) == len(grad["step"]) for row in grad["z"])
     assert "step_time_s" in view["lines"] and "rank0" in view["lines"]["step_time_s"]
+    records = _records(finished_run)
+    for layer, row in zip(grad["layers"], grad["z"], strict=True):  # the heatmap holds what the run logged
+        assert row == [_shown(records[s - 1][f"stats/grad_norm/{layer}"]) for s in grad["step"]]
+    by_source = view["lines"]["loss_source"]  # the validation split holds two sources: two series
+    assert sorted(by_source) == SOURCES
+    for source in SOURCES:
+        assert by_source[source]["step"] == [5, 10, 15, 20, 25, 30]
+        expected = [records[s - 1][f"stats/loss_source/{source}"] for s in by_source[source]["step"]]
+        assert by_source[source]["value"] == expected and all(0 < v < 10 for v in expected)
     goodput = view["goodput"]
     assert (
         goodput["finished"] and goodput["steps"] == STEPS and 0 < goodput["productive_s"] <= goodput["wall_s"]
@@ -199,6 +209,35 @@ def test_runs_are_named_by_the_shortest_tail_that_tells_them_apart(tmp_path):
     paths = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c"]
     assert unique_names(paths) == ["a/run", "b/run", "c"]
     assert unique_names([tmp_path / "x", tmp_path / "x"]) == ["x (1)", "x (2)"]
+
+
+# ----- tenx status --------------------------------------------------------------------------------------
+def test_tenx_status_lists_the_last_five_events_or_as_many_as_asked(tmp_path, capsys):
+    events = EventLog(tmp_path)
+    for i in range(8):
+        events.emit("fault" if i % 2 else "restart", i, note=f"n{i}")
+
+    def listed(*flags: str) -> tuple[list[str], str]:
+        assert main(["status", str(tmp_path), *flags]) == 0
+        out = capsys.readouterr().out
+        return [line.split("note=")[1] for line in out.splitlines() if "note=n" in line], out
+
+    shown, out = listed()
+    assert shown == ["n3", "n4", "n5", "n6", "n7"]
+    assert "events      fault 4, restart 4 (the last 5 of 8 below; --events all for every one)" in out
+    assert listed("--events", "2")[0] == ["n6", "n7"]
+    shown, out = listed("--events", "all")
+    assert shown == [f"n{i}" for i in range(8)] and "events      fault 4, restart 4\n" in out
+    assert listed("--events", "100")[0] == [f"n{i}" for i in range(8)]
+    for bad in ("0", "-1", "some"):
+        with pytest.raises(SystemExit):
+            main(["status", str(tmp_path), "--events", bad])
+        assert "expected a positive number of events or 'all'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--events N|all list the last N events of events.jsonl, or all of them" in help_text
+    assert "(default: 5)" in help_text
 
 
 # ----- the server ---------------------------------------------------------------------------------------
@@ -405,13 +444,39 @@ def _wait(driver, condition, timeout: float = 30.0):
 
 
 def _traces(driver, chart: str, meta: str) -> list[dict]:
+    """The traces of a chart that carry `meta`: their points as plotly holds them (what it draws)."""
     return driver.execute_script(
         "var d = document.getElementById(arguments[0]), meta = arguments[1]; if (!d || !d.data) return [];"
+        "function list(a) { return Array.isArray(a) || ArrayBuffer.isView(a) ? Array.from(a) : []; }"
         "return d.data.filter(function (t) { return t.meta === meta; }).map(function (t) {"
-        " return {x: Array.from(t.x || []), fill: t.fill || null, type: t.type || 'scatter', name: t.name,"
-        " text: Array.isArray(t.text) ? t.text : []}; });",
+        " return {x: list(t.x), y: list(t.y), z: list(t.z).map(list), customdata: list(t.customdata).map("
+        " function (r) { return Array.isArray(r) ? r : [r]; }), fill: t.fill || null,"
+        " type: t.type || 'scatter', name: t.name, text: Array.isArray(t.text) ? t.text : [],"
+        " colorbar: t.colorbar || null}; });",
         chart,
         meta,
+    )
+
+
+def _ticks(driver, chart: str, axis: str) -> list[tuple[float, str]]:
+    """The ticks plotly drew on an axis of a chart: (position, label); a log axis's position is log10."""
+    return [
+        (x, text)
+        for x, text in driver.execute_script(
+            "var a = document.getElementById(arguments[0])._fullLayout[arguments[1]];"
+            "return a._vals.map(function (v) { return [v.x, v.text]; });",
+            chart,
+            axis,
+        )
+    ]
+
+
+def _close(shown, expected, rel: float = 1e-6) -> bool:
+    """Whether a series the page holds equals the run's (None where the run has a non-finite value)."""
+    expected = [_shown(v) for v in expected]
+    return len(shown) == len(expected) and all(
+        (a is None and b is None) or (a is not None and b is not None and a == pytest.approx(b, rel=rel))
+        for a, b in zip(shown, expected)
     )
 
 
@@ -436,33 +501,79 @@ def _serve(run_dirs, refresh_s: float) -> DashboardServer:
     return srv
 
 
+def _table(driver) -> list[dict[str, str]]:
+    """The rows of the page's run table, by column heading."""
+    return driver.execute_script(
+        "var heads = Array.from(document.querySelectorAll('#runs thead th')).map(e => e.textContent);"
+        "return Array.from(document.querySelectorAll('#runs tbody tr')).map(function (row) {"
+        " var out = {}; Array.from(row.children).forEach(function (td, i) { out[heads[i]] = td.textContent; });"
+        " return out; });"
+    )
+
+
 def test_browser_shows_a_finished_run(browser, finished_run):
+    """Every figure on the page equals the one computed here from the run's own files."""
+    records = _records(finished_run)
+    events = RunDir(finished_run).events.read_text().splitlines()
     srv = _serve([finished_run], refresh_s=5.0)
     try:
         browser.get(srv.url)
         _wait(browser, lambda: browser.execute_script("return document.body.getAttribute('data-rendered')"))
+        (row,) = _table(browser)
+        last = records[-1]
+        validated = [r for r in records if "val_loss" in r]
+        assert row["state"] == "finished" and row["step"] == f"{last['step']} / {STEPS}"
+        assert (
+            row["train loss"] == f"{last['loss']:.4f}"
+            and row["val loss"] == f"{validated[-1]['val_loss']:.4f}"
+        )
+        assert int(row["tokens/s"].replace(",", "")) == round(last["tokens_per_s"])
+        assert float(row["MFU"].rstrip("%")) == pytest.approx(100 * last["mfu"], abs=0.05, rel=0.01)
+        assert row["events"] == str(len(events))
+        assert row["goodput"] == f"{100 * compute_goodput(finished_run)['goodput']:.1f}%"
         (loss,) = _traces(browser, "chart-loss", "train-loss")
-        assert loss["x"] == list(range(1, STEPS + 1))
+        assert loss["x"] == [r["step"] for r in records] and _close(loss["y"], [r["loss"] for r in records])
+        (val,) = _traces(browser, "chart-loss", "val-loss")
+        assert val["x"] == [r["step"] for r in validated] == [10, 20, 30]
+        assert _close(val["y"], [r["val_loss"] for r in validated])
         (band,) = _traces(browser, "chart-loss", "band")
         assert band["fill"] == "tonexty" and len(band["x"]) == STEPS and "95% band" in band["name"]
         top, note = browser.execute_script(
             "var l = document.getElementById('chart-loss').layout; return [l.yaxis.range[1], l.annotations[0].text]"
         )
-        spike = read_metrics(RunDir(finished_run).metrics)[FAULT_STEPS["spike"] - 1]["loss"]
+        spike = records[FAULT_STEPS["spike"] - 1]["loss"]
         assert top < 10 and f"above the chart, up to {spike:.1f}" in note  # the spike is left out, and said
-        heatmap = _traces(browser, "heatmap-grad_norm", "heatmap")
-        assert heatmap and heatmap[0]["type"] == "heatmap" and heatmap[0]["x"][:2] == [5, 10]
-        (events,) = _traces(browser, "chart-events", "events")
+        for chart, key in (
+            ("chart-grad-norm", "grad_norm"),
+            ("chart-lr", "lr"),
+            ("chart-throughput", "tokens_per_s"),
+        ):
+            (series,) = _traces(browser, chart, key)
+            assert _close(series["y"], [r[key] for r in records]), chart
+        (heatmap,) = _traces(browser, "heatmap-grad_norm", "heatmap")
+        stats_steps = [r["step"] for r in records if "stats/grad_norm/0" in r]
+        assert heatmap["type"] == "heatmap" and heatmap["x"] == stats_steps == [5, 10, 15, 20, 25, 30]
+        layers = browser.execute_script(
+            "return Array.from(document.getElementById('heatmap-grad_norm').data[0].y)"
+        )
+        for layer, raw, colour in zip(layers, heatmap["customdata"], heatmap["z"], strict=True):
+            logged = [records[s - 1][f"stats/grad_norm/{layer}"] for s in stats_steps]
+            assert _close(raw, logged) and _close(colour, [math.log10(v) for v in logged]), layer
+        by_source = _traces(browser, "stat-loss_source", "stat-line")
+        assert sorted(t["name"].split()[-1] for t in by_source) == SOURCES  # one series per data source
+        for trace in by_source:
+            key = f"stats/loss_source/{trace['name'].split()[-1]}"
+            assert trace["x"] == stats_steps and _close(
+                trace["y"], [records[s - 1][key] for s in stats_steps]
+            )
+        (marks,) = _traces(browser, "chart-events", "events")
+        assert len(marks["x"]) == len(events)
         shown = {
             (x, m.group(1))
-            for x, text in zip(events["x"], events["text"])
+            for x, text in zip(marks["x"], marks["text"])
             if (m := re.search(r"fault_kind: ([\w-]+)", text))
         }
         assert shown == {(step, kind) for kind, step in FAULT_STEPS.items()}  # each fault at its step
-        state = browser.execute_script(
-            "return document.querySelector('#runs tbody td:nth-child(2)').textContent"
-        )
-        assert state == "finished"
         assert browser.execute_script("return document.getElementById('errors').hidden")
         _screenshot(browser, "finished")
         assert not _severe(browser)
@@ -516,6 +627,72 @@ def test_browser_follows_a_run_still_training(browser, finished_run, other_run, 
         assert len(_traces(browser, "chart-loss", "band")) == 2
         assert _traces(browser, "heatmap-grad_norm", "heatmap")
         _screenshot(browser, "training")
+        assert not _severe(browser)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _first_steps(run: Path, out: Path, steps: int) -> Path:
+    """The run's first `steps` metrics records (and its run.json), as a run directory of its own."""
+    out.mkdir()
+    shutil.copy(RunDir(run).provenance, RunDir(out).provenance)
+    lines = RunDir(run).metrics.read_text().splitlines(keepends=True)
+    RunDir(out).metrics.write_text("".join(lines[:steps]))
+    return out
+
+
+@pytest.mark.parametrize("steps", [STEPS, 7])
+def test_browser_step_ticks_are_whole_steps_and_log_labels_are_values(browser, finished_run, tmp_path, steps):
+    """Step axes tick whole steps, a heatmap of one stats step included (7 steps: stats at step 5 only);
+    a log axis labels each tick with its value, and a heatmap's log colours are labelled with values."""
+    run = finished_run if steps == STEPS else _first_steps(finished_run, tmp_path / "early", steps)
+    srv = _serve([run], refresh_s=5.0)
+    try:
+        browser.get(srv.url)
+        _wait(browser, lambda: browser.execute_script("return document.body.getAttribute('data-rendered')"))
+        charts = browser.execute_script(
+            "return Array.from(document.querySelectorAll('.step-chart')).filter(d => d.data && d.data.length && !d.hidden)"
+            ".map(d => d.id)"
+        )
+        assert "heatmap-grad_norm" in charts and "chart-loss" in charts
+
+        def whole_steps() -> None:
+            for chart in charts:
+                ticks = _ticks(browser, chart, "xaxis")
+                assert ticks and all(float(x).is_integer() for x, _ in ticks), (chart, ticks)
+                assert all(text == str(int(x)) for x, text in ticks), (chart, ticks)
+
+        whole_steps()
+        if steps == STEPS:  # zoomed to a few steps, every chart follows and still ticks whole steps
+            browser.execute_script(
+                "Plotly.relayout(document.getElementById('chart-loss'), {'xaxis.range': [4.3, 9.6]})"
+            )
+            axes = "return arguments[0].map(id => document.getElementById(id).layout.xaxis).map(a => [a.range, a.dtick])"
+            _wait(browser, lambda: browser.execute_script(axes, charts) == [[[4.3, 9.6], 1]] * len(charts))
+            whole_steps()
+            assert [x for x, _ in _ticks(browser, "heatmap-grad_norm", "xaxis")] == [5, 6, 7, 8, 9]
+        labels = _ticks(browser, "chart-grad-norm", "yaxis")
+        assert len(labels) >= 2
+        for position, text in labels:  # the value itself, not an SI prefix or a lone leading digit
+            assert float(text.replace(",", "")) == pytest.approx(10**position, rel=0.01), labels
+        logs = []
+        for heatmap in [c for c in charts if c.startswith("heatmap-")]:
+            (trace,) = _traces(browser, heatmap, "heatmap")
+            bar = trace["colorbar"]
+            values = [v for row in trace["customdata"] for v in row if v is not None]
+            if min(values) <= 0:  # drawn on a linear scale, labelled by plotly
+                assert bar["title"]["text"] == "" and "tickvals" not in bar
+                continue
+            assert bar["title"]["text"] == "log scale" and (
+                len(bar["tickvals"]) >= 2 or len(set(values)) == 1
+            )
+            for position, text in zip(bar["tickvals"], bar["ticktext"], strict=True):
+                assert float(text.replace(",", "")) == pytest.approx(10**position, rel=0.005), (heatmap, bar)
+            shown = [float(t.replace(",", "")) for t in bar["ticktext"]]
+            assert min(values) * 0.995 <= min(shown) and max(shown) <= max(values) * 1.005  # 3 digits
+            logs.append(heatmap)
+        assert "heatmap-grad_norm" in logs
         assert not _severe(browser)
     finally:
         srv.shutdown()

@@ -70,6 +70,7 @@ def test_copies_of_training_files_are_contaminated_and_left_out_of_the_clean_sco
     report = evaluate(runs["a"], [str(repo)], tmp_path / "eval.json", decontaminate=True, breakdown=True)
     r = report["datasets"][str(repo)]
     c = r["contamination"]
+    assert c["n"] == 50  # tenx.data.ngrams.data_n of the byte-level tiny data
     assert set(c["contaminated_names"]) >= {"copied/train_0.py", "copied/train_5.py"}
     assert not any(name.startswith("fresh/") for name in c["contaminated_names"])
     assert r["clean"]["documents"] == r["by_directory"]["fresh"]["documents"]
@@ -88,4 +89,5 @@ def test_copies_of_training_files_are_contaminated_and_left_out_of_the_clean_sco
         )
         == 0
     )
-    assert "contamination (13-gram" in capsys.readouterr().out
+    # byte-level data: n-grams of 50 bytes, the n prepare decontaminated with (13 bytes match boilerplate)
+    assert "contamination (50-gram" in capsys.readouterr().out

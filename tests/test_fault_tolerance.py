@@ -18,9 +18,9 @@ from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.cli import main
 from tenx.errors import ConfigError, DataError
 from tenx.eval.load import load_model
-from tenx.launch.supervise import SupervisorConfig, supervise
+from tenx.launch.supervise import SupervisorConfig, describe_failure_point, supervise
 from tenx.monitor.events import read_events
-from tenx.monitor.goodput import compute_goodput
+from tenx.monitor.goodput import compute_goodput, format_goodput
 from tenx.monitor.metrics_file import read_metrics
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.run import train
@@ -186,7 +186,7 @@ def test_sigkill_during_a_save_then_resume_matches_a_clean_run(tiny_data, tmp_pa
     assert _same_params(_final_params(run), _final_params(clean_run))
 
 
-def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_path, clean_run):
+def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_path, clean_run, capsys):
     """SIGKILL at 15, damage to checkpoint 20 at step 23, crash at 27: the final model equals the clean run's."""
     run = tmp_path / "run"
     faults = ["sigkill@step=15", "corrupt-checkpoint@step=23", "crash@step=27"]
@@ -196,6 +196,16 @@ def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_p
     assert report.finished and report.restarts == 2
     assert [a.returncode for a in report.attempts] == [-signal.SIGKILL, 1, 0]
     assert [a.last_step for a in report.attempts] == [14, 26, 40]
+    # each restart names the step its fault fired at, and the last step that finished
+    restarts = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("tenx supervise: attempt")
+    ]
+    assert restarts == [
+        "tenx supervise: attempt 0 killed by SIGKILL at step 15 (fault sigkill@step=15), after step 14 "
+        "finished; restarting",
+        "tenx supervise: attempt 1 crashed (exit 1) at step 27 (fault crash@step=27), after step 26 "
+        "finished; restarting",
+    ]
     # the third attempt skipped the damaged step 20 and resumed from step 10
     assert report.attempts[2].start_step == 10
     assert _same_params(_final_params(run), _final_params(clean_run))
@@ -204,6 +214,43 @@ def test_supervised_run_survives_kills_and_a_corrupt_checkpoint(tiny_data, tmp_p
     goodput = compute_goodput(run)
     assert goodput["restarts"] == 2 and goodput["finished"] and 0 < goodput["goodput"] < 1
     assert goodput["recompute_s"] > 0
+
+
+def test_failure_point_names_the_step_a_failure_happened_in():
+    """The restart line's step comes from the attempt's last fatal event; without one, the last finished."""
+    fault = {"kind": "fault", "step": 25, "fault": "sigkill@step=25", "fault_kind": "sigkill"}
+    slow = {"kind": "fault", "step": 26, "fault": "slow@step=26", "fault_kind": "slow"}  # not fatal
+    assert (
+        describe_failure_point([fault, slow], 24)
+        == "at step 25 (fault sigkill@step=25), after step 24 finished"
+    )
+    save = {"kind": "fault", "step": 20, "fault": "sigkill@step=20,phase=save", "fault_kind": "sigkill"}
+    assert (
+        describe_failure_point([save], 20)
+        == "while saving step 20's checkpoint (fault sigkill@step=20,phase=save)"
+    )
+    crash = {"kind": "crash", "step": 8, "phase": "step", "exception": "ValueError"}
+    assert describe_failure_point([crash], 7) == "at step 8 (ValueError), after step 7 finished"
+    after = {**crash, "phase": "after-step"}
+    assert describe_failure_point([after], 8) == "after step 8 finished (ValueError)"
+    # an injected crash's exception and the watchdog's report of an injected hang defer to the fault
+    injected = {"kind": "fault", "step": 27, "fault": "crash@step=27", "fault_kind": "crash"}
+    raised = {"kind": "crash", "step": 26, "phase": "after-step", "exception": "InjectedFault"}
+    assert describe_failure_point([injected, raised], 26) == (
+        "at step 27 (fault crash@step=27), after step 26 finished"
+    )
+    stuck = {"kind": "fault", "step": 12, "fault": "hang@step=12", "fault_kind": "hang"}
+    assert describe_failure_point([stuck, {"kind": "hang", "step": 12}], 11) == (
+        "at step 12 (fault hang@step=12), after step 11 finished"
+    )
+    hang = {"kind": "hang", "step": 12}
+    assert describe_failure_point([{"kind": "hang", "step": None}, hang], 11) == (
+        "at step 12 (no progress), after step 11 finished"
+    )
+    assert describe_failure_point([], 24) == "after step 24 finished"  # e.g. a SIGKILL from outside
+    assert describe_failure_point([], None) == "before its first step finished"
+    first = {**fault, "step": 1, "fault": "sigkill@p=0.05"}
+    assert describe_failure_point([first], 0) == "at step 1 (fault sigkill@p=0.05), before any step finished"
 
 
 def test_young_daly_interval():
@@ -340,12 +387,18 @@ def test_memory_tier_resumes_from_the_last_step_and_falls_back_when_damaged(tiny
     assert not memory.exists()  # freed when training finished
 
 
-def test_cli_supervise_with_a_launcher_and_status(tiny_data, tmp_path, capsys):
-    """`tenx train --supervise --launcher ...` restarts the launched command; the summary prints goodput."""
+def test_cli_supervise_with_a_launcher_and_status(tiny_data, tmp_path, capfd):
+    """`tenx train --supervise --launcher ...` restarts the launched command; goodput is printed once, the
+    whole run's (the children, launched through the launcher, leave it to the supervisor)."""
     run = tmp_path / "run"
     launcher = f"{sys.executable} -m tenx"
     args = _train_args(tiny_data, run, "train.steps=12")
     rc = main([*args, "--supervise", "--launcher", launcher, "--backoff", "0", "--fault", "crash@step=5"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "crashed (exit 1)" in out and "finished after 1 restart(s)" in out and "goodput" in out
+    out, err = capfd.readouterr()  # the children's output too (fd-level)
+    assert rc == 0 and "crashed (exit 1)" in out and "finished after 1 restart(s)" in out
+    assert [line for line in out.splitlines() if line.startswith("goodput")] == [
+        format_goodput(compute_goodput(run)).splitlines()[0]
+    ]
+    assert out.rstrip().endswith(format_goodput(compute_goodput(run)))  # `tenx status`'s figure, last
+    assert "attempt 0 crashed (exit 1) at step 5 (fault crash@step=5), after step 4 finished" in err
     assert [e["kind"] for e in read_events(run)].count("restart") == 1

@@ -20,6 +20,7 @@ from tenx.scaling.fit import (
     fit_chinchilla,
     fit_compute,
     fit_data_constrained,
+    format_fit,
     isoflop_minima,
     leave_largest_out,
     parse_target,
@@ -338,6 +339,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert report["target"]["predicted"] == pytest.approx(float(chinchilla_loss(3e10, 6e11)), rel=0.01)
     assert report["compute_optimal"]["C"] == pytest.approx(6 * 3e10 * 6e11)
     assert report["leave_largest_out"]["max_abs_rel_error"] < 0.02
+    assert report["warnings"] == [] and "WARNING" not in printed  # a sound fit warns of nothing
     png = tmp_path / "plots" / "runs_fit_chinchilla.png"
     assert (
         report["plot"] == str(png)
@@ -506,3 +508,55 @@ def test_compute_optimal_of_a_degenerate_fit_says_so_instead_of_dividing_by_zero
     out = compute_optimal(fit, 1e15)
     assert out["N"] == 0.0 and out["tokens_per_param"] == float("inf")
     assert "loss does not fall with model size" in out["degenerate"]
+
+
+# A 6-run tiny ladder (tenx ladder --config tiny --budgets 3e10,1e11 --sizes 3): three sizes that all see
+# under 3 tokens per parameter, so E + A/N^alpha + B/D^beta is not determined: E runs to its bound.
+BROKEN_LADDER = [
+    (74688, 64000, 29884416000.0, 3.0182, 3e10),
+    (445952, 10688, 29944184832.0, 2.85, 3e10),
+    (1408704, 3392, 29760159744.0, 2.9127, 3e10),
+    (74688, 214016, 99933487104.0, 2.3586, 1e11),
+    (445952, 35584, 99694411776.0, 2.6931, 1e11),
+    (1408704, 11392, 99949215744.0, 2.8113, 1e11),
+]
+
+
+def test_a_broken_fit_is_said_plainly_and_its_plot_stays_readable(tmp_path, monkeypatch):
+    """A fit at a bound, intervals that span every allowed value, too few runs and a skipped
+    leave-largest-out are each said in the printed summary; no numpy warning reaches the terminal; the plot
+    zooms on the runs (not 3e-5 to 4), keys its sizes and gives a far target its own panel."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "runs.csv"
+    path.write_text(
+        "params,tokens,flops,heldout_loss,budget\n"
+        + "".join(",".join(map(str, r)) + "\n" for r in BROKEN_LADDER)
+    )
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        report = run_fit(path, target="C=1e15", bootstrap=40, out_dir=tmp_path)
+    text = format_fit(report)
+    assert "WARNING: this fit is not to be trusted" in text
+    warned = "\n".join(report["warnings"])
+    assert "6 runs fitted for 5 parameters: too few" in warned
+    assert f"E = {report['fit']['params']['E']:.4g} is the lowest value the fit allows" in warned
+    assert "leave-largest-out was not run: too few runs left to fit" in warned
+    assert "leave-largest-out (budget C=1e+11): not run: too few runs left to fit" in text
+    assert "10,005x the largest run's" in warned
+    assert "loss 0.0000" not in text
+    (fig,) = figures
+    runs_ax, target_ax = fig.axes[:2]
+    low, high = runs_ax.get_ylim()
+    assert 2.3586 / 1.2 < low < 2.3586 and 3.0182 < high < 3.0182 * 1.2  # around the runs' losses
+    assert runs_ax.get_xlim()[1] < 1e12 and target_ax.get_xlim()[1] > 1e15  # the runs' own panel
+    keys = [t.get_text() for t in runs_ax.get_legend().get_texts()]
+    assert [k for k in keys if k.startswith("N = ")] == [
+        "N = 7.47e+04 parameters",
+        "N = 4.46e+05 parameters",
+        "N = 1.41e+06 parameters",
+    ]

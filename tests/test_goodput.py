@@ -151,8 +151,11 @@ def test_rollback_within_a_process(tmp_path):
     r = compute_goodput(tmp_path)
     assert r["wall_s"] == pytest.approx(22.5)
     assert r["productive_s"] == pytest.approx(5 * 0.5 + 5 * 2.0)
-    assert r["recompute_s"] == pytest.approx(5 * 0.5)  # 6, 7 and the skipped 8..10 of the first pass
-    assert r["skipped_s"] == 0.0 and r["skipped_steps"] == 0  # the skipped steps were thrown away
+    assert r["recompute_s"] == pytest.approx(2 * 0.5)  # the applied 6 and 7 of the first pass
+    # the skipped 8..10 stay skipped steps, as their three `skipped-step` events say, though the rollback
+    # threw them away (the ledger said 0 skipped steps while the events held 3)
+    assert r["skipped_s"] == pytest.approx(3 * 0.5) and r["skipped_steps"] == 3
+    assert r["recomputed_steps"] == 2
     assert r["checkpoint_s"] == pytest.approx(0.25) and r["startup_s"] == pytest.approx(1.0)
     assert r["other_s"] == pytest.approx(22.5 - 12.5 - 2.5 - 0.25 - 1.0)
     assert (r["rollbacks"], r["restarts"], r["steps"], r["finished"]) == (1, 0, 10, True)
@@ -350,3 +353,25 @@ def test_malformed_records_are_skipped(tmp_path):
         f.write(json.dumps({"time": 113.7, "pid": A}) + "\n")
         f.write("[1, 2]\n")
     assert compute_goodput(tmp_path) == expected
+
+
+def test_runs_trained_one_after_another_in_one_process_each_start_at_their_own_start(tmp_path, monkeypatch):
+    """`tenx ladder` trains its runs in one process: each run's start-up runs from its own start
+    (mark_run_start), not from the process's, which charged it every earlier run (3.4 s growing to 190.5 s)."""
+    from tenx.monitor import goodput
+
+    monkeypatch.setattr(goodput, "_run_start", None)
+    assert goodput.run_start_time() == pytest.approx(process_start_time(), abs=0.05)
+    t = time.time()
+    for i, name in enumerate("abc"):  # three runs of 10 s each, one after another
+        began = goodput.mark_run_start(at=t + 10 * i)
+        assert goodput.run_start_time() == began
+        with Ledger(tmp_path / name, pid=A) as ledger:
+            ledger.start(0, goodput.run_start_time(), at=began + 2.0)
+            for step in range(1, 8):
+                ledger.step(step, 1.0, at=began + 2.0 + step)
+            ledger.end(7, at=began + 10.0)
+    for name in "abc":
+        report = compute_goodput(tmp_path / name)
+        assert report["startup_s"] == pytest.approx(2.0) and report["wall_s"] == pytest.approx(10.0)
+        assert report["goodput"] == pytest.approx(0.7)

@@ -6,20 +6,30 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import signal
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
-from tenx.cli import main
+from tenx.cli import build_parser, main
+from tenx.data.manifest import read_manifest
 from tenx.errors import ConfigError
+from tenx.monitor.goodput import compute_goodput
+from tenx.scaling import ladder as ladder_mod
 from tenx.scaling.ladder import (
+    RUN_OVERHEAD_S,
     LadderConfig,
+    LadderProgress,
     config_key,
+    estimate_seconds,
     parse_budgets,
     plan_ladder,
     read_results,
     run_ladder,
     run_one,
+    steady_step_seconds,
 )
 from tenx.train.callbacks.faults import FaultConfig, InjectedFault
 
@@ -111,6 +121,10 @@ def test_ladder_runs_once_resumes_a_crash_and_records_every_field(tiny_config, t
         for key in ("params", "non_embedding_params", "tokens", "flops", "wall_s", "config", "val_bpb"):
             assert key in r
         assert (tmp_path / "lad" / "runs" / r["name"] / "loss_curve.png").stat().st_size > 0
+    # each run's ledger start-up is its own, not every earlier run's of this process (goodput per run)
+    for r in table:
+        ledger = compute_goodput(r["run_dir"])
+        assert 0 < ledger["startup_s"] < r["train_s"] and ledger["wall_s"] < r["train_s"] + 1.0
     # bigger model at the same budget: a different loss; a bigger budget for the same depth: lower loss
     by = {(r["budget"], r["depth"]): r["heldout_loss"] for r in table}
     assert by[(5e10, 1)] < by[(2e10, 1)]
@@ -202,3 +216,92 @@ def test_ladder_data_goes_to_the_cache_and_a_dry_run_prepares_nothing(
     assert (prepared / "manifest.json").exists() and list(work.iterdir()) == []
     assert main([*args, "--out", str(tmp_path / "lad2"), "--dry-run"]) == 0
     assert f"prepared in {prepared}" in capsys.readouterr().out
+
+
+def test_a_ladder_run_says_how_far_it_is_while_it_trains(capsys):
+    """A line at the first step and then every `every_s` seconds: step, loss, time so far and left (the
+    ladder printed one line per finished run, and a 201-s run was silent)."""
+    now = [100.0]
+    progress = LadderProgress("[2/6] base-C1e11-d2", every_s=30.0, clock=lambda: now[0])
+    trainer = SimpleNamespace(step=0, total_steps=100)
+    progress.on_train_start(trainer)
+    for step in range(1, 101):
+        now[0] += 1.0  # a second a step
+        trainer.step = step
+        progress.on_step_end(trainer, {"loss": 5.0 - step / 100})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "  [2/6] base-C1e11-d2: step 1/100 | loss 4.9900 | 1 s so far, 99 s left"
+    assert lines[1] == "  [2/6] base-C1e11-d2: step 31/100 | loss 4.6900 | 31 s so far, 69 s left"
+    assert [line.split("|")[0].split()[-1] for line in lines] == ["1/100", "31/100", "61/100", "91/100"]
+
+
+def test_the_ladder_estimate_adds_up_from_step_times_and_overheads(tiny_config, tiny_data):
+    base = _base(tiny_config, tiny_data)
+    lc = LadderConfig(
+        budgets=[2e10, 5e10], grid="isoflop", sizes=2, min_tokens_per_param=0, noise_seeds=1, min_steps=20
+    )
+    lc.eval_bytes = 30000
+    plan = plan_ladder(base, lc)
+    asked = []
+
+    def speed(cfg, micro_batch):
+        asked.append((cfg.model.depth, micro_batch))
+        return 1000.0 * cfg.model.depth
+
+    seconds = estimate_seconds(plan, lc, tokens_per_s=speed)
+    assert sorted(asked) == sorted({(r.depth, r.config.train.micro_batch) for r in plan})  # once per shape
+    split = read_manifest(tiny_data)["splits"]["train"]
+    bytes_per_token = split["bytes"] / split["tokens"]  # the byte tokenizer: 1 but for document ends
+    for r in plan:
+        tc = r.config.train
+        validation = -(-tc.steps // tc.eval_every) * tc.eval_batches * tc.micro_batch * r.seq_len
+        final = 2 * 30000 / bytes_per_token
+        rate = 1000.0 * r.depth
+        expected = r.tokens / rate + (validation + final) / (3 * rate) + RUN_OVERHEAD_S
+        assert seconds[r.name] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_timing_probe_takes_the_median_step_on_the_training_threads(tiny_config, tiny_data, monkeypatch):
+    """A step or two slowed by another program (or a slow first step) does not set the estimate, and the
+    probe runs on train.threads, the threads its training will use; it says what it measured."""
+    assert steady_step_seconds([0.1, 0.1, 2.5, 0.1, 0.11]) == pytest.approx(0.1)  # the mean was 0.58
+    import torch
+
+    before = torch.get_num_threads()
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: set_to.append(n))
+    said = []
+    cfg = _base(tiny_config, tiny_data)
+    rate = ladder_mod.measure_tokens_per_s(cfg, 8, steps=3, min_seconds=0.0, progress=said.append)
+    assert rate > 0 and set_to == [1] and before == torch.get_num_threads()
+    assert (
+        said and said[0].startswith("  timed depth 2 (8 x 64 tokens a step): ") and "(median of 3)" in said[0]
+    )
+
+
+def test_a_stopped_ladder_names_the_command_that_continues_it(tiny_data, tmp_path, monkeypatch, capsys):
+    """SIGTERM during a ladder run: the message names the ladder's own command (not `--resume auto`, which
+    `tenx ladder` does not take); that command parses and resumes the run."""
+    lad = tmp_path / "lad"
+    args = ["ladder", "--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--set", "train.threads=1"]
+    args += ["--budgets", "3e10", "--grid", "ratio", "--max-depth", "1", "--eval-bytes", "10000"]
+    args += ["--out", str(lad)]
+
+    def stop_at_step_5(self, trainer, metrics):
+        if trainer.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LadderProgress, "on_step_end", stop_at_step_5)
+        assert main(args) == 130
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "SIGTERM at step 5" in x]
+    assert "--resume" not in line
+    command = shlex.split(line.split("): ", 1)[1])
+    assert command[0] == "tenx" and command[1:] == args
+    parsed = build_parser().parse_args(command[1:])
+    assert parsed.command == "ladder" and parsed.out == str(lad)
+    assert main(command[1:]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    (row,) = read_results(lad)
+    assert row["resumed_or_reused_training"] is False and row["steps"] > 5

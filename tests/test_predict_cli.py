@@ -81,3 +81,35 @@ def test_wrong_use_is_one_clear_line(tmp_path, capsys, argv, words):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("tenx: error:") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["ladder", "derisk", "fit", "predict"])
+def test_every_flag_with_a_default_shows_it_in_help(command):
+    """`tenx ladder|derisk|fit|predict --help`: each flag with a default says it, in the form
+    `(default: VALUE)` or `(default VALUE)` (--max-tokens-per-param hid its 300 behind the word "default"
+    in its text; derisk's --base, --budgets and --seeds, which override its file, said none)."""
+    import argparse
+
+    from tenx.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices[command]
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        text = " ".join(parser._get_formatter()._expand_help(action).split())
+        has_default = action.default not in (None, False, [], "") or action.dest in (
+            "base",
+            "budgets",
+            "seeds",
+        )
+        if has_default and not ("(default: " in text or "(default " in text):
+            missing.append(f"{action.option_strings[-1]}: {text}")
+    assert missing == []
+    if command == "ladder":
+        text = " ".join(parser.format_help().split())
+        assert "bytes once) (default: 300.0)" in text
+    if command == "derisk":
+        text = " ".join(parser.format_help().split())
+        assert "intervals) (default: the --config file's, else 2)" in text

@@ -245,6 +245,149 @@ def test_shared_secret_authenticates_both_directions():
             receiver.shutdown()
 
 
+class _Clock:
+    """An injected wall clock (seconds since the epoch) that moves only when told."""
+
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _send(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    """GET `url` with `headers`: (HTTP status, reason)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            r.read()
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, str(e.reason)
+
+
+def _headers(request) -> dict[str, str]:
+    return dict(request.header_items())
+
+
+def test_a_captured_request_is_refused_when_replayed_stale_or_altered(monkeypatch):
+    """Requests sign the URL, a time and a nonce: a replay, a stale or a tampered request is refused (403)."""
+    import urllib.request
+
+    clock, secret, state = _Clock(), SECRET.encode(), _training_state()
+    sender = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, clock=clock, auth_window_s=60.0)
+    receiver = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, clock=clock, template=_training_state)
+    real_urlopen, captured = urllib.request.urlopen, []
+
+    def capture(request, timeout):
+        captured.append(request)
+        return real_urlopen(request, timeout=timeout)
+
+    try:
+        sender.send_checkpoint([1], 2, state, TIMEOUT)
+        url = sender.metadata() + "2"
+        # a fresh request, sent by the receiver as in healing: accepted
+        monkeypatch.setattr(urllib.request, "urlopen", capture)
+        assert _equal(receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT), state)
+        monkeypatch.undo()
+        (request,) = captured
+        assert request.full_url == url and {"X-tenx-time", "X-tenx-nonce", "X-tenx-auth"} <= set(
+            _headers(request)
+        )
+        # the captured request replayed at once (inside the window): its nonce was served
+        code, reason = _send(url, _headers(request))
+        assert (code, reason) == (
+            403,
+            f"replayed request: nonce {request.get_header('X-tenx-nonce')} was already served; refused",
+        )
+        # tampered: another step, time, nonce or signature than the one signed
+        fresh, _ = receiver.signed_request(url)
+        for name, value in (
+            ("X-tenx-time", str(clock.t + 1)),
+            ("X-tenx-nonce", "f" * 32),
+            ("X-tenx-auth", "0" * 64),
+        ):
+            code, reason = _send(url, {**_headers(fresh), name: value})
+            assert code == 403 and reason.startswith("wrong X-Tenx-Auth"), (name, reason)
+        code, reason = _send(sender.metadata() + "3", _headers(fresh))  # signed for step 2
+        assert code == 403 and reason.startswith("wrong X-Tenx-Auth")
+        # stale: signed now, arriving 61 s later; and the captured one after the window
+        late, _ = receiver.signed_request(url)
+        clock.t += 61
+        code, reason = _send(url, _headers(late))
+        assert code == 403 and reason.startswith("stale request: signed 61 s before this server's clock")
+        code, reason = _send(url, _headers(request))
+        assert code == 403 and reason.startswith("stale request: signed 61 s before")
+        # a signer whose clock runs 61 s ahead is refused alike
+        ahead = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, clock=lambda: clock.t + 61)
+        try:
+            code, reason = _send(url, _headers(ahead.signed_request(url)[0]))
+            assert code == 403 and reason.startswith("stale request: signed 61 s after")
+        finally:
+            ahead.shutdown()
+        # the fresh (untampered) request still passes; only nonces inside the window are kept
+        code, _ = _send(url, _headers(fresh))
+        assert code == 403  # its time is now 61 s old too
+        fresh, nonce = receiver.signed_request(url)
+        assert _send(url, _headers(fresh)) == (200, "")
+        assert list(sender._nonces) == [nonce]  # the first request's nonce expired with its window
+        assert sender.refused_requests == 9
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_a_recorded_response_is_refused_and_the_nonce_memory_is_bounded(monkeypatch):
+    """A response is signed with the request's nonce: an old genuine body and MAC replayed to a new
+    request are refused; past MAX_NONCES requests in a window the server answers 503 until they expire."""
+    import http.server
+    import threading
+    import urllib.request
+
+    from tenx.parallel import peer_transport
+
+    clock, secret, state = _Clock(), SECRET.encode(), _training_state()
+    sender = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, clock=clock)
+    receiver = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, clock=clock, template=_training_state)
+    sender.send_checkpoint([1], 2, state, TIMEOUT)
+    request, nonce = receiver.signed_request(sender.metadata() + "2")
+    with urllib.request.urlopen(request, timeout=10) as r:
+        body, mac = r.read(), r.headers[peer_transport.BODY_MAC_HEADER]
+    assert mac == peer_transport.response_mac(secret, nonce, body)
+
+    class Replayer(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header(peer_transport.BODY_MAC_HEADER, mac)
+            self.end_headers()
+            self.wfile.write(body)
+
+    replayer = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Replayer)
+    threading.Thread(target=replayer.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(PeerStateError, match="without a valid X-Tenx-Body-Mac .*replayed"):
+            receiver.recv_checkpoint(
+                0, f"http://127.0.0.1:{replayer.server_address[1]}/tenx-peer/", 2, TIMEOUT
+            )
+        monkeypatch.setattr(peer_transport, "MAX_NONCES", 3)
+        url = sender.metadata() + "2"
+        codes = [_send(url, _headers(receiver.signed_request(url)[0]))[0] for _ in range(3)]
+        assert codes == [200, 200, 503]  # one nonce from above, two now: the window is full
+        clock.t += 61
+        assert _send(url, _headers(receiver.signed_request(url)[0]))[0] == 200
+        assert len(sender._nonces) == 1
+    finally:
+        replayer.shutdown()
+        sender.shutdown()
+        receiver.shutdown()
+
+
 def test_secret_and_host_are_checked(monkeypatch):
     monkeypatch.setenv("TENX_REPLICA_SECRET", "short")
     with pytest.raises(TenxError, match="TENX_REPLICA_SECRET: use at least 16"):

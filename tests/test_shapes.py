@@ -85,7 +85,8 @@ def test_candidates_are_valid_distinct_configs() -> None:
 def test_benchmark_report_keys_and_consistency() -> None:
     raw = ModelConfig(family="gpt2", depth=1, d_model=64, head_dim=32, seq_len=16)
     result = shapes.benchmark_shapes(raw, 2, "cpu", torch.float32, repeat=2, vocab=100)
-    assert {"gemms", "candidates", "step_gemm_time_s", "step_gemm_flops", "params", "best"} <= set(result)
+    keys = {"gemms", "candidates", "step_gemm_time_s", "step_gemm_flops", "params", "best", "best_per_flop"}
+    assert keys <= set(result)
     assert [r["name"] for r in result["gemms"]] == [
         "qkv_proj",
         "attn_scores",
@@ -116,7 +117,8 @@ def test_benchmark_report_keys_and_consistency() -> None:
     assert touched["d_ff 256 -> 320"] == ["up_proj", "down_proj"]
     assert touched["head_dim 32 -> 64"] == ["attn_scores", "attn_values"]
     assert len(touched["d_model 64 -> 128"]) == 7
-    assert "No nearby shape" in shapes.format_shapes(result) or result["best"] in shapes.format_shapes(result)
+    text = shapes.format_shapes(result)
+    assert ("No nearby shape" in text) == (result["best"] is None) and (result["best"] or "") in text
 
 
 def test_micro_batch_cap_scales_times() -> None:
@@ -162,4 +164,62 @@ def test_cli_writes_json(tmp_path) -> None:
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert data["config"] == "tiny" and data["model"]["vocab_size"] == 256 and data["model"]["depth"] == 1
+    assert (data["vocab"], data["vocab_source"], data["vocab_assumed"]) == (200, "--vocab", False)
     assert data["gemms"][-1]["n"] == 256
+
+
+def known_times(bonus_every: int | None):
+    """A sampler of known GEMM times: FLOPs / (1 GFLOP/s x the narrower of K and N), 4x faster when N is a
+    multiple of `bonus_every`; each shape's time varies by at most 0.4% round to round, as no real timer
+    stays still, so a change counts only beyond that."""
+    rounds: dict[tuple[int, int, int, int], int] = {}
+
+    def sampler(key):
+        batch, m, k, n = key
+        rate = 1e9 * min(k, n) * (4 if bonus_every and n % bonus_every == 0 else 1)
+
+        def sample() -> float:
+            r = rounds[key] = rounds.get(key, -1) + 1
+            return 2 * batch * m * k * n / rate * (1 + 0.002 * ((sum(key) + r) % 3))
+
+        return sample
+
+    return sampler
+
+
+def test_a_shape_faster_per_flop_but_slower_per_step_is_not_called_faster() -> None:
+    """`plan shapes` called a 7x slower step "the nearest faster shape": a wider model is faster per FLOP."""
+    raw = ModelConfig(family="gpt2", depth=1, d_model=64, head_dim=32, seq_len=16)
+    result = shapes.benchmark_shapes(raw, 2, "cpu", repeat=3, vocab=100, sampler=known_times(None))
+    wide = {c["change"]: c for c in result["candidates"]}["d_model 64 -> 128"]
+    assert wide["faster"] and not wide["step_faster"] and wide["step_time_ratio"] > 1.5
+    assert result["best"] is None and result["best_per_flop"] == "d_model 64 -> 128"
+    text = shapes.format_shapes(result)
+    assert "No nearby shape makes the whole step measurably faster" in text
+    assert "Faster per FLOP only: d_model 64 -> 128: its whole step takes x" in text and "(SLOWER)" in text
+
+
+def test_a_faster_step_with_no_fewer_parameters_is_recommended() -> None:
+    """Padding the vocabulary to a fast multiple (here 256) takes less time for more parameters: the pick."""
+    raw = ModelConfig(family="gpt2", depth=1, d_model=64, head_dim=32, seq_len=16)
+    result = shapes.benchmark_shapes(raw, 2, "cpu", repeat=3, vocab=100, sampler=known_times(256))
+    padded = {c["change"]: c for c in result["candidates"]}["vocab 128 -> 256"]
+    assert padded["faster"] and padded["step_faster"] and padded["params"] > result["params"]
+    assert result["best"] == "vocab 128 -> 256"
+    assert "Faster step, no fewer parameters: vocab 128 -> 256 (whole step x0." in shapes.format_shapes(
+        result
+    )
+
+
+def test_cli_says_when_the_vocabulary_is_assumed(tmp_path, capsys) -> None:
+    """`plan shapes --config tiny` on unprepared data timed a 50,304-wide output layer without a word."""
+    parser = argparse.ArgumentParser()
+    shapes.register(parser.add_subparsers())
+    out = tmp_path / "shapes.json"
+    small = ["model.depth=1", "model.seq_len=16", "train.micro_batch=1", f'data.dir="{tmp_path / "none"}"']
+    argv = ["shapes", "--config", "tiny", *(x for s in small for x in ("--set", s)), "--device", "cpu"]
+    args = parser.parse_args([*argv, "--repeat", "2", "--json", str(out)])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("vocabulary 50,257 ASSUMED (GPT-2's)")
+    data = json.loads(out.read_text())
+    assert data["vocab_assumed"] and data["model"]["vocab_size"] == 50304

@@ -11,13 +11,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from tenx.data.manifest import read_manifest
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Attention, apply_rope, max_attention_logit, rope_tables
 from tenx.monitor.internals import activation_moments, layer_index, layer_of, logit_stats, rms_and_max
 from tenx.monitor.metrics_file import read_metrics
+from tenx.monitor.source_loss import MAX_SOURCES, OTHER, document_source, loss_by_source
 from tenx.train.callbacks.stats import ModelStats
 from tenx.train.config import CONFIG_DIR
 from tenx.train.hooks import Callback
@@ -156,6 +160,7 @@ def test_every_key_is_logged_and_agrees_with_hand_computation(tiny_config, tiny_
         "stats/logit_entropy",
         "stats/step_time_s/rank0",
         "stats/memory_gib/rank0",
+        "stats/loss_source/email",  # the validation split of the tiny corpus holds `email/` files only
     }
     for r in records:
         stats = _stats(r)
@@ -178,6 +183,110 @@ def test_every_key_is_logged_and_agrees_with_hand_computation(tiny_config, tiny_
     assert first["stats/param_norm/norm"] == pytest.approx(math.sqrt(64), rel=1e-6)
     # a fresh model predicts nearly uniformly over the padded vocabulary of 320
     assert first["stats/logit_entropy"] == pytest.approx(math.log(320), abs=0.05)
+
+
+# ----- the loss per data source -------------------------------------------------------------------------
+def test_a_document_s_source_is_the_first_folder_of_its_id():
+    assert document_source("email/mime/text.py") == "email" and document_source("json/__init__.py") == "json"
+    assert document_source("README.md") == "." and document_source("data.jsonl:12") == "."
+    assert document_source("/wiki/12") == "wiki"  # a record's id field, not a path in the source
+
+
+def test_loss_by_source_is_each_source_s_mean_cross_entropy():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    index = torch.tensor([[0, 0, 1, -1, 2], [1, 1, 0, 0, -1]])
+    got = loss_by_source(logits, targets, index, 4)
+    nll = F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), reduction="none")
+    for source in range(3):
+        mask = index.flatten() == source
+        assert got[source].item() == pytest.approx(nll[mask].mean().item(), rel=1e-6)
+    assert math.isnan(got[3].item())  # a source without tokens; the tokens of index -1 count nowhere
+
+
+class _SourceLossByHand(Callback):
+    """The probe batch's loss per source, found from the prepared split's own files: the micro-batch of
+    windows spread evenly over the validation split (tenx.data.loader.sequential_windows), each target's
+    document by a search of the shards' document offsets, the model run at the stats step's pre_optim_step."""
+
+    def __init__(self, data_dir: Path, every: int) -> None:
+        self.data_dir, self.every = data_dir, every
+        self.expected: dict[int, dict[str, float]] = {}
+        self._step = 0
+
+    def on_step_start(self, trainer: Any) -> None:
+        self._step = trainer.step + 1
+
+    @torch.no_grad()
+    def pre_optim_step(self, trainer: Any) -> None:
+        if self._step % self.every:
+            return
+        split = read_manifest(self.data_dir)["splits"]["val"]
+        tokens, starts = [], []
+        for shard in split["shards"]:
+            offset = sum(len(t) for t in tokens)
+            tokens.append(np.fromfile(self.data_dir / shard["file"], dtype="<u2").astype(np.int64))
+            starts.append(offset + np.fromfile(self.data_dir / shard["index_file"], dtype="<i8"))
+        stream, doc_starts = np.concatenate(tokens), np.concatenate(starts)
+        T, B = trainer.model_cfg.seq_len, trainer.loader.micro_batch
+        windows = np.unique(np.linspace(0, (len(stream) - 1) // T - 1, B).round().astype(np.int64))
+        rows = torch.from_numpy(np.stack([stream[w * T : w * T + T + 1] for w in windows]))
+        logits = trainer.raw_model(rows[:, :-1]).double()
+        nll = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="none").numpy()
+        offsets = (windows[:, None] * T + 1 + np.arange(T)[None, :]).flatten()
+        documents = np.searchsorted(doc_starts, offsets, side="right") - 1
+        sources = np.array([split["documents"][d].split("/")[0] for d in documents])
+        self.expected[self._step] = {s: float(nll[sources == s].mean()) for s in sorted(set(sources))}
+
+
+def test_the_loss_per_data_source_of_validation_data_is_logged_with_the_statistics(
+    tiny_config, two_source_data, tmp_path
+):
+    hand = _SourceLossByHand(two_source_data, every=15)
+    sets = ("train.steps=30", "train.eval_every=0", "checkpoint.every=0", "monitor.stats_every=15")
+    train(tiny_config(two_source_data, *sets), tmp_path / "run", extra_callbacks=[hand])
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    logged = {
+        r["step"]: {k.split("/")[2]: v for k, v in r.items() if k.startswith("stats/loss_source/")}
+        for r in records
+    }
+    assert {step: sorted(v) for step, v in logged.items() if v} == {
+        15: ["digits", "letters"],
+        30: ["digits", "letters"],
+    }
+    for step in (15, 30):
+        assert logged[step] == pytest.approx(hand.expected[step], rel=1e-5)
+    # ten digits are easier to predict than 26 letters, once the model has learnt which follow which
+    assert logged[30]["digits"] + 0.3 < logged[30]["letters"] < logged[15]["letters"]
+
+
+def test_many_sources_are_the_largest_few_by_name_and_the_rest_together(tmp_path):
+    import random
+
+    from tenx.data.loader import TokenStream
+    from tenx.data.prepare.pipeline import PrepareConfig, prepare
+    from tenx.monitor.source_loss import token_sources
+
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus"
+    for i in range(MAX_SOURCES + 3):  # source i: i + 1 files of 600 random letters
+        (corpus / f"s{i:02d}").mkdir(parents=True)
+        for j in range(i + 1):
+            (corpus / f"s{i:02d}" / f"{j}.txt").write_text("".join(rng.choices("abcdefgh ", k=600)))
+    out = tmp_path / "data"
+    prepare(
+        PrepareConfig(source=str(corpus), out=str(out), tokenizer="bytes", val_ratio=0.0, heldout_ratio=0.0),
+        progress=False,
+    )
+    stream = TokenStream(out, "train")
+    names, index = token_sources(stream, np.arange(len(stream)))
+    kept = [f"s{i:02d}" for i in range(4, MAX_SOURCES + 3)]  # the MAX_SOURCES - 1 largest, by name
+    assert names == [*kept, OTHER]
+    split = read_manifest(out)["splits"]["train"]
+    (shard,) = split["shards"]
+    lengths = np.diff(np.append(np.fromfile(out / shard["index_file"], dtype="<i8"), shard["tokens"]))
+    source = np.repeat([d.split("/")[0] for d in split["documents"]], lengths)
+    assert [names[i] for i in index] == [s if s in kept else OTHER for s in source]
 
 
 def test_stats_only_at_their_interval_and_training_unchanged(tiny_config, tiny_data, tmp_path):
@@ -271,10 +380,9 @@ def test_fsdp_norms_sum_the_shards(tiny_config, tiny_data, tmp_path):
         assert math.sqrt(sum(a[f"stats/grad_norm/{layer}"] ** 2 for layer in LAYERS)) == pytest.approx(
             a["grad_norm"], rel=1e-5
         )
-        keys = [
-            k for k in b if k.startswith(("stats/grad_norm/", "stats/param_norm/", "stats/update_ratio/"))
-        ]
-        assert len(keys) == 3 * len(LAYERS)
+        per_layer = ("stats/grad_norm/", "stats/param_norm/", "stats/update_ratio/")
+        keys = [k for k in b if k.startswith((*per_layer, "stats/loss_source/"))]
+        assert len(keys) == 3 * len(LAYERS) + 1  # and the validation split's one source, `email`
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-4), key
         assert "stats/step_time_s/rank1" in a and "stats/step_time_s/rank1" not in b

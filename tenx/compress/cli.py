@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from tenx.utils.cli import subcommand
+from tenx.utils.cpus import add_threads_argument
 
 SUFFIX = ".tenx"
 
@@ -14,9 +15,11 @@ SUFFIX = ".tenx"
 def cmd_compress(args: argparse.Namespace) -> None:
     """Compress a file with a run's model; print bits per byte and speed."""
     from tenx.compress.codec import compress_file
+    from tenx.hardware import choose_threads
 
     out = args.out or args.file + SUFFIX
-    report = compress_file(args.run_dir, args.file, out, args.force, threads=args.threads, device=args.device)
+    threads = choose_threads(args.threads)
+    report = compress_file(args.run_dir, args.file, out, args.force, threads=threads, device=args.device)
     _print(report, "compressed", args.json)
 
 
@@ -60,12 +63,12 @@ def _common(p: argparse.ArgumentParser, file_help: str) -> None:
 def _compress_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, "the file to compress (any bytes)")
     p.add_argument("-o", "--out", help=f"the compressed file (default FILE{SUFFIX})")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads while coding, recorded in the file: decompression uses as many (default 1, "
-        "the most portable)",
+    add_threads_argument(
+        p,
+        "torch threads while coding, recorded in the file: decompression uses as many (default 1, the most "
+        "portable: the logits differ in their last bits between thread counts; auto: the usable CPUs less "
+        "those other programs keep busy)",
+        default="1",
     )
     p.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda; decompression runs on the same kind"

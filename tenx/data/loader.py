@@ -383,16 +383,22 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def spread_windows(num_tokens: int, seq_len: int, count: int | None = None) -> np.ndarray:
+    """The ids of the windows `sequential_windows` reads from a stream of `num_tokens` (window w: tokens
+    [w * seq_len, w * seq_len + seq_len + 1)): `count` of them spread evenly, or every one."""
+    n = (num_tokens - 1) // seq_len
+    if count is not None and count < n:
+        return np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
+    return np.arange(n)
+
+
 def sequential_windows(stream: TokenStream, seq_len: int, batch_size: int, max_batches: int | None = None):
     """Deterministic (inputs, targets) batches for validation loss.
 
     With `max_batches`, the windows are spread evenly over the whole split (not its first documents, which
     in sorted-id order can all come from one unusual file); without it, every window in order.
     """
-    n = (len(stream) - 1) // seq_len
-    windows = np.arange(n)
-    if max_batches is not None and max_batches * batch_size < n:
-        windows = np.unique(np.linspace(0, n - 1, max_batches * batch_size).round().astype(np.int64))
+    windows = spread_windows(len(stream), seq_len, None if max_batches is None else max_batches * batch_size)
     for first in range(0, len(windows), batch_size):
         rows = np.stack(
             [stream.read(int(w) * seq_len, seq_len + 1) for w in windows[first : first + batch_size]]

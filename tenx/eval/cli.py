@@ -8,6 +8,7 @@ from typing import Any
 
 from tenx.errors import TenxError
 from tenx.utils.cli import subcommand
+from tenx.utils.cpus import add_threads_argument
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
@@ -82,9 +83,11 @@ def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
 def cmd_eval(args: argparse.Namespace) -> None:
     """Evaluate each run on each dataset; print each, then a comparison when there are several runs."""
     from tenx.eval.evaluate import evaluate
+    from tenx.hardware import set_torch_threads
 
     if args.out and len(args.targets) > 1:
         raise TenxError("--out names one eval.json: give it with one run (each run keeps its own eval.json)")
+    set_torch_threads(args.threads)
     reports = {}
     for target in args.targets:
         report = evaluate(
@@ -144,7 +147,11 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         help="report the documents that share n-grams with the training split and score the clean part apart",
     )
     ep.add_argument(
-        "--ngram", type=int, default=13, help="n-gram length of --decontaminate, in tokens (default 13)"
+        "--ngram",
+        type=int,
+        default=None,
+        help="n-gram length of --decontaminate, in tokens (default: the data's, as prepared: 13 for BPE, "
+        "50 for bytes)",
     )
     ep.add_argument(
         "--threshold",
@@ -154,6 +161,7 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         "(default 0.5: tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD; see docs/eval.md)",
     )
     ep.add_argument("--breakdown", action="store_true", help="figures per directory and per file type")
+    add_threads_argument(ep)
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -161,8 +169,10 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.load import load_model
     from tenx.eval.sample import check_sampling, generate
+    from tenx.hardware import set_torch_threads
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
+    set_torch_threads(args.threads)
     loaded = load_model(args.target, args.device)
     tokenizer = load_tokenizer(loaded.data_dir)
     prompt = tokenizer.encode(args.prompt) if args.prompt else []
@@ -192,6 +202,7 @@ def _sample_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
     )
+    add_threads_argument(sp)
 
 
 def register(subparsers: Any) -> None:

@@ -39,7 +39,7 @@ def evaluate(
     precision: str = "auto",
     decontaminate: bool = False,
     breakdown: bool = False,
-    ngram: int = 13,
+    ngram: int | None = None,
     threshold: float | None = None,
 ) -> dict[str, Any]:
     """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
@@ -47,7 +47,8 @@ def evaluate(
     `stride` defaults to seq_len (non-overlapping windows); a smaller one gives each scored token at least
     seq_len - stride tokens of context at seq_len / stride times the compute;
     `precision` is resolved as in training ('auto': bf16 autocast where the hardware has fast bf16).
-    `decontaminate`: also report, per dataset, the documents sharing `ngram`-token n-grams with the training
+    `decontaminate`: also report, per dataset, the documents sharing `ngram`-token n-grams (default: the n
+    the data was prepared with, tenx.data.ngrams.data_n: 13 BPE tokens, 50 bytes) with the training
     split beyond `threshold` (default tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD) and score the clean part apart;
     `breakdown`: per-directory and per-file-type figures (tenx/eval/documents.py).
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
@@ -67,6 +68,10 @@ def evaluate(
     data_dir = loaded.data_dir
     manifest = read_manifest(data_dir)
     tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
+    if ngram is None:
+        from tenx.data.ngrams import data_n
+
+        ngram = data_n(manifest)
     model_vocab = loaded.model.cfg.vocab_size or 0
     if tokenizer.vocab_size > model_vocab:
         raise DataError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         if not report.finished:
             raise TenxError(f"supervised run in {run_dir} did not finish: {report.gave_up}")
         return
+    from tenx.launch.supervise import SUPERVISED_ENV
     from tenx.scaling.self_extrapolation import summary_fields, watch_callbacks
     from tenx.train.run import train
 
@@ -64,7 +66,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         )
     else:
         print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
-    print(format_goodput(compute_goodput(run_dir)))
+    if os.environ.get(SUPERVISED_ENV) != "1":  # a supervisor prints the whole run's, once, when it ends
+        print(format_goodput(compute_goodput(run_dir)))
     print(f"run directory: {run_dir}  (metrics: {RunDir(run_dir).metrics}, status: tenx status {run_dir})")
 
 
@@ -100,9 +103,10 @@ def _train_arguments(tp: argparse.ArgumentParser) -> None:
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
     """Prepare the standard library, train within the time budget, evaluate against xz."""
+    from tenx.monitor.goodput import process_start_time
     from tenx.quickstart import quickstart
 
-    quickstart(args.out, steps=args.steps, minutes=args.minutes)
+    quickstart(args.out, steps=args.steps, minutes=args.minutes, started=process_start_time())
 
 
 def _quickstart_arguments(qp: argparse.ArgumentParser) -> None:
@@ -111,7 +115,7 @@ def _quickstart_arguments(qp: argparse.ArgumentParser) -> None:
         "--minutes",
         type=float,
         default=10.0,
-        help="wall-time budget: the step count is fitted to it from a measured training speed",
+        help="wall-time budget of the whole command: the step count follows the training speed observed",
     )
     qp.add_argument(
         "--steps", type=int, default=None, help="train exactly this many steps instead of fitting the budget"

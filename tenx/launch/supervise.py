@@ -47,6 +47,11 @@ from tenx.utils.io import atomic_write_json
 
 EXIT_USAGE = 2
 """Exit status of a run that stopped with an error restarting cannot fix."""
+SUPERVISED_ENV = "TENX_SUPERVISED"
+"""Set to 1 in the environment of the children: their `tenx train` leaves the goodput to the supervisor,
+which prints it once for the whole run (a child's own figure would stop at its own exit)."""
+_FATAL_FAULTS = ("crash", "sigkill", "hang")
+"""Injected faults that end an attempt (a `fault` event of one names the step it fired at)."""
 
 
 @dataclass
@@ -153,6 +158,48 @@ def _steps_of(run_dir: Path, attempt: int) -> tuple[int | None, int | None]:
     return start, last if last is not None else start
 
 
+def describe_failure_point(events: list[dict[str, Any]], last_step: int | None) -> str:
+    """Where an attempt failed, from its events (oldest first) and its last completed step.
+
+    The last event that ends a process names the step it happened in: an injected crash, SIGKILL or hang
+    (`fault`, fired as step N is about to run, or during step N's checkpoint save with `phase=save`), an
+    exception (`crash`) or the watchdog (`hang`); the crash an injected crash raises and the watchdog's
+    report of an injected hang defer to the fault. Without one (a kill from outside) only the last step
+    the ledger recorded as finished is known, and that is what the text says.
+    """
+    if last_step is None:
+        done = "before its first step finished"
+    else:
+        done = f"after step {last_step} finished" if last_step else "before any step finished"
+    fatal = [
+        e
+        for e in events
+        if isinstance(e.get("step"), int)
+        and (e.get("kind") in ("crash", "hang") or e.get("fault_kind") in _FATAL_FAULTS)
+    ]
+    for i in reversed(range(len(fatal))):
+        event, cause = fatal[i], fatal[i - 1] if i else {}
+        kind, step = event.get("kind"), event["step"]
+        if cause.get("kind") == "fault" and (
+            (kind == "crash" and event.get("exception") == "InjectedFault")
+            or (kind == "hang" and cause.get("fault_kind") == "hang")
+        ):
+            continue  # the consequence of the injected fault before it, which names the step it fired at
+        if kind == "fault":
+            text = str(event.get("fault", event.get("fault_kind")))
+            if "phase=save" in text.replace(" ", ""):
+                return f"while saving step {step}'s checkpoint (fault {text})"
+            return f"at step {step} (fault {text}), {done}"
+        if kind == "crash":
+            exception = event.get("exception", "an exception")
+            if event.get("phase") == "after-step":
+                return f"after step {step} finished ({exception})"
+            return f"at step {step} ({exception}), {done}"
+        if kind == "hang":
+            return f"at step {step} (no progress), {done}"
+    return done
+
+
 class _Spares:
     """Keeps one pre-started interpreter (torch and tenx imported) waiting for its arguments."""
 
@@ -206,6 +253,7 @@ def supervise(
     run_dir.mkdir(parents=True, exist_ok=True)
     events, ledger = EventLog(run_dir), Ledger(run_dir)
     prefix = launcher or [sys.executable, "-m", "tenx"]
+    env = {**(os.environ if env is None else env), SUPERVISED_ENV: "1"}
     spares = _Spares(cfg.warm_spare and launcher is None, env)
     report = SupervisorReport()
     t0 = time.monotonic()
@@ -257,10 +305,13 @@ def supervise(
             same_failures = same_failures + 1 if same else 1
             if same and returncode == 1:
                 _skip_crashing_data(run_dir, events, launched_at)
+            where = describe_failure_point(
+                [e for e in read_events(run_dir) if float(e.get("time", 0)) >= launched_at], last_step
+            )
             if same_failures >= same_failure_limit:
                 report.gave_up = (
-                    f"the same failure ({reason}) happened {same_failures} times in a row at step "
-                    f"{last_step}; not restarting"
+                    f"the same failure ({reason} {where}) happened {same_failures} times in a row; "
+                    "not restarting"
                 )
                 break
             if report.restarts >= max_restarts:
@@ -273,7 +324,7 @@ def supervise(
                 "restart", last_step, attempt=attempt + 1, returncode=returncode, reason=reason, delay_s=delay
             )
             print(
-                f"tenx supervise: attempt {attempt} {reason} at step {last_step}; restarting"
+                f"tenx supervise: attempt {attempt} {reason} {where}; restarting"
                 + (f" in {delay:.1f} s" if delay else ""),
                 file=sys.stderr,
                 flush=True,
@@ -375,7 +426,8 @@ def format_supervision(report: SupervisorReport) -> str:
             f"in {a.seconds:.1f} s"
         )
     outcome = "finished" if report.finished else f"gave up: {report.gave_up}"
-    lines.append(f"  {outcome} after {report.restarts} restart(s), {report.wall_s:.1f} s")
+    # no wall time here: the goodput block printed after this one gives the run's (from its ledger)
+    lines.append(f"  {outcome} after {report.restarts} restart(s)")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
 RUN_DIR/ledger.jsonl is append-only, one JSON object per line with "kind", "time" (unix seconds) and "pid".
 The supervisor writes `launch` and `exit` around each child it starts; the trainer (rank 0) writes `start`
-once it has resumed, then `step`, `checkpoint`, `rollback` and finally `end`. Lines are flushed but not
+once it has resumed (its `process_start` is when the run began: the OS process's start, or the run's own
+start in a process that trains several runs one after another, run_start_time), then `step`, `checkpoint`,
+`rollback` and finally `end`. Lines are flushed but not
 fsynced: a process killed mid-write leaves at most a torn last line, which the reader skips.
 
 `compute_goodput` replays the records against one "current history" of trained steps. A `start` resumed
@@ -14,8 +16,10 @@ time moves from productive to recompute. What is left at the end is the run's re
                  unsupervised process. The idle time between two commands (a manual `--resume auto`
                  hours after the last one ended) is no one's loss: it is reported as idle_s, outside wall_s
     productive_s step seconds of the final history's steps whose update was applied
-    skipped_s    step seconds of the final history's steps the numerics guard skipped
-    recompute_s  step seconds of steps thrown away by a restart or rollback
+    skipped_s    step seconds of every step the numerics guard skipped (its update was never applied),
+                 also those a rollback or restart later threw away: `skipped_steps` counts them all, as
+                 the `skipped-step` events do
+    recompute_s  step seconds of applied steps thrown away by a restart or rollback
     checkpoint_s time the loop was blocked by checkpoint saves
     startup_s    the first process of each job that continues a finished (or no) earlier process: its
                  job's start -> its `start` record
@@ -59,6 +63,26 @@ def process_start_time() -> float:
     except (OSError, IndexError, ValueError):
         started = _boot_time() + since_boot if _boot_time() else _IMPORTED_AT
     return min(started, _IMPORTED_AT)
+
+
+_run_start: float | None = None  # mark_run_start's latest mark in this process
+
+
+def mark_run_start(at: float | None = None) -> float:
+    """Say that this process begins a new run now (or `at`): a process that trains several runs one after
+    another (`tenx ladder`, `tenx derisk`) calls it before each, so that each run's start-up in the ledger
+    runs from its own start, not from the process's (which would charge it every earlier run)."""
+    global _run_start
+    _run_start = time.time() if at is None else at
+    return _run_start
+
+
+def run_start_time() -> float:
+    """When the run this process trains began: the latest `mark_run_start`, else the process's own start
+    (process_start_time: its imports and set-up are the run's start-up). The trainer's `start` record
+    carries it."""
+    started = process_start_time()
+    return started if _run_start is None else max(started, _run_start)
 
 
 def _boot_time() -> float:
@@ -214,19 +238,22 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
     launches: list[dict[str, Any]] = []
     exits: list[dict[str, Any]] = []
     history: list[tuple[int, float, bool]] = []  # (step, seconds, skipped) of the still-current history
+    skipped_lost: list[tuple[int, float, bool]] = []  # skipped steps a rollback or restart threw away
     recompute_s = checkpoint_s = 0.0
     rollbacks = recomputed_steps = 0
     floor = 0  # the step the newest start or rollback resumed at: done, even if its records were lost
 
     def throw_away(last_kept: int, retried: bool = False) -> float:
-        """Drop steps after `last_kept`; with `retried`, `last_kept` too unless its update was skipped."""
+        """Drop steps after `last_kept`; with `retried`, `last_kept` too unless its update was skipped.
+        Returns the seconds of the applied steps dropped (to train again); dropped skipped steps stay
+        skipped steps (`skipped_lost`): they never had an update to lose."""
         nonlocal history, recomputed_steps
         kept: list[tuple[int, float, bool]] = []
         lost: list[tuple[int, float, bool]] = []
         for entry in history:
             step, _, skipped = entry
             keep = step < last_kept or (step == last_kept and (not retried or skipped))
-            (kept if keep else lost).append(entry)
+            (kept if keep else skipped_lost if skipped else lost).append(entry)
         history = kept
         recomputed_steps += len(lost)
         return sum((seconds for _, seconds, _ in lost), 0.0)
@@ -287,7 +314,7 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
     idle_s = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
     restart_s = sum((p.restart_s for p in restarted), 0.0)
     productive_s = sum((seconds for _, seconds, skipped in history if not skipped), 0.0)
-    skipped_s = sum((seconds for _, seconds, skipped in history if skipped), 0.0)
+    skipped_s = sum((seconds for _, seconds, skipped in history + skipped_lost if skipped), 0.0)
     accounted = productive_s + recompute_s + skipped_s + checkpoint_s + restart_s + startup_s
 
     report.update(
@@ -303,7 +330,7 @@ def compute_goodput(run_dir: str | Path) -> dict[str, Any]:
         restarts=len(restarted),
         rollbacks=rollbacks,
         steps=max([step for step, _, _ in history] + [floor]),
-        skipped_steps=sum(1 for _, _, skipped in history if skipped),
+        skipped_steps=sum(1 for _, _, skipped in history if skipped) + len(skipped_lost),
         recomputed_steps=recomputed_steps,
         finished=bool(processes) and processes[-1].last_kind == "end",
         mean_recovery_s=(
@@ -464,8 +491,9 @@ def _prequential_lines(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str
     ]
 
 
-def format_status(run_dir: str | Path) -> str:
-    """`tenx status RUN_DIR`: progress, newest verified checkpoint, last metrics, goodput and events."""
+def format_status(run_dir: str | Path, events_shown: int | None = 5) -> str:
+    """`tenx status RUN_DIR`: progress, newest verified checkpoint, last metrics, goodput, the count of each
+    event kind and the last `events_shown` events (None: every one)."""
     run_dir = Path(run_dir)
     run = rundir.RunDir(run_dir)
     if not run_dir.is_dir():
@@ -540,8 +568,12 @@ def format_status(run_dir: str | Path) -> str:
         counts: dict[str, int] = {}
         for event in events:
             counts[str(event.get("kind"))] = counts.get(str(event.get("kind")), 0) + 1
-        lines.append("events      " + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())))
-        lines += [_event_line(event) for event in events[-5:]]
+        shown = events if events_shown is None else events[len(events) - min(events_shown, len(events)) :]
+        text = ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
+        if len(shown) < len(events):
+            text += f" (the last {len(shown)} of {len(events)} below; --events all for every one)"
+        lines.append("events      " + text)
+        lines += [_event_line(event) for event in shown]
     else:
         lines.append("events      none")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ Every statistic is logged under a key that starts with `stats/` (docs/monitoring
 | `stats/logit_entropy` | mean entropy of the next-token distribution, nats |
 | `stats/step_time_s/rank<r>` | rank r's own time in the step, before it waits for its peers |
 | `stats/memory_gib/rank<r>` | rank r's peak memory (GPU: the step's forward and backward; CPU: the process) |
+| `stats/loss_source/<source>` | loss of the probe's validation tokens from each data source (tenx.monitor.source_loss) |
 
 `<layer>` is a block index (0, 1, ...) or `embed`, `head`, `norm` for the parts outside the blocks.
 """

@@ -13,9 +13,12 @@ weights. `TensorTransport` replaces it (`Manager(checkpoint_transport=...)`):
   must have the same shape and dtype. Anything else raises `PeerStateError`, which names the peer.
 - **Listening**: the server binds `host` (parallel.replicas.host, loopback by default), never all
   interfaces unless asked.
-- **Shared secret** (env `TENX_REPLICA_SECRET`, the same in every group): requests must carry an HMAC of
-  their path and responses an HMAC of their body, so a stranger can neither download the state nor feed
-  a forged one. Nothing is encrypted: on a network you do not trust, run the groups over a VPN or tunnel
+- **Shared secret** (env `TENX_REPLICA_SECRET`, the same in every group): a request carries an HMAC of
+  the URL it fetches, its time and a random nonce; the server refuses one whose time is more than
+  `auth_window_s` (parallel.replicas.auth_window_s, 60 s) from its own clock, and one whose nonce it has
+  already served within that window, so a captured request cannot be replayed. A response carries an HMAC
+  of the request's nonce and its body, so a stranger can neither download the state nor feed a forged or
+  an old one. Nothing is encrypted: on a network you do not trust, run the groups over a VPN or tunnel
   (docs/security.md).
 """
 
@@ -25,11 +28,14 @@ import hashlib
 import hmac
 import io
 import json
+import math
 import os
 import re
+import secrets
 import socket
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -47,7 +53,14 @@ FORMAT = "tenx-peer/1"
 MAGIC = b"TENXPEER1\n"
 SECRET_ENV = "TENX_REPLICA_SECRET"
 AUTH_HEADER = "X-Tenx-Auth"
+TIME_HEADER = "X-Tenx-Time"
+NONCE_HEADER = "X-Tenx-Nonce"
 BODY_MAC_HEADER = "X-Tenx-Body-Mac"
+AUTH_WINDOW_S = 60.0
+"""Default of how far (either way) a request's time may be from the server's clock."""
+MAX_NONCES = 4096
+"""Nonces a server remembers within its window; past this it refuses requests (503) until some expire."""
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
 _PATH = re.compile(r"^/tenx-peer/(\d{1,20})$")
 _URL = re.compile(r"^http://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})/tenx-peer/$")
 _MAX_HEADER = 64 * 2**20
@@ -218,8 +231,21 @@ def _tensor_bytes(tree: Any) -> int:
     return 0
 
 
-def _mac(secret: bytes, data: bytes) -> str:
-    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+def _mac(secret: bytes, *parts: bytes) -> str:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def request_mac(secret: bytes, url: str, timestamp: str, nonce: str) -> str:
+    """The HMAC a healing request carries: of the URL it fetches, its time and its nonce."""
+    return _mac(secret, f"tenx-peer/1 request\n{url}\n{timestamp}\n{nonce}".encode())
+
+
+def response_mac(secret: bytes, nonce: str, body: bytes) -> str:
+    """The HMAC a healing response carries: of the request's nonce and the body (so no old body passes)."""
+    return _mac(secret, f"tenx-peer/1 response\n{nonce}\n".encode(), body)
 
 
 def read_secret() -> bytes | None:
@@ -240,7 +266,9 @@ class TensorTransport:
     """torchft CheckpointTransport serving and fetching tenx-peer/1 state on `host` (see module doc).
 
     `template` returns this process's own state in the same layout (torchft's manager state); it bounds
-    the size of what is accepted and gives the shapes a peer's tensors must have.
+    the size of what is accepted and gives the shapes a peer's tensors must have. With a `secret`, requests
+    are signed and checked as the module doc says: `auth_window_s` is the allowed distance between a
+    request's time and the server's `clock` (seconds since the epoch; tests inject one).
     """
 
     def __init__(
@@ -250,11 +278,22 @@ class TensorTransport:
         *,
         secret: bytes | None = None,
         template: Callable[[], Any] | None = None,
+        auth_window_s: float = AUTH_WINDOW_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        if not (math.isfinite(auth_window_s) and auth_window_s > 0):
+            raise TenxError(f"parallel.replicas.auth_window_s: must be > 0 seconds, got {auth_window_s}")
         self.host = host.strip("[]")
         self.timeout = timeout
         self.secret = secret
         self.template = template
+        self.auth_window_s = auth_window_s
+        self.clock = clock
+        self.refused_requests = 0
+        """Requests this server refused (unsigned, forged, stale or replayed)."""
+        self._nonces: dict[str, float] = {}
+        """Nonce -> request time of every authenticated request served within the window (replays)."""
+        self._nonce_lock = threading.Lock()
         self.refused: PeerStateError | None = None
         """The last peer state refused (the trainer turns it into a clear error on its own thread)."""
         self.sent = 0
@@ -333,10 +372,7 @@ class TensorTransport:
                 "(http://HOST:PORT/tenx-peer/); is every group running tenx with the same version?"
             )
         url = f"{metadata}{int(step)}"
-        path = f"/tenx-peer/{int(step)}"
-        request = urllib.request.Request(url)
-        if self.secret is not None:
-            request.add_header(AUTH_HEADER, _mac(self.secret, path.encode()))
+        request, nonce = self.signed_request(url)
         template = self.template() if self.template is not None else None
         limit = 4 * _tensor_bytes(template) + 64 * 2**20 if template is not None else None
         try:
@@ -351,10 +387,10 @@ class TensorTransport:
             raise PeerStateError(
                 f"healing peer {url} sent more than {limit} bytes, several times this model's state; refused"
             )
-        if self.secret is not None and not hmac.compare_digest(mac, _mac(self.secret, body)):
+        if self.secret is not None and not hmac.compare_digest(mac, response_mac(self.secret, nonce, body)):
             raise PeerStateError(
                 f"healing peer {url} sent state without a valid {BODY_MAC_HEADER} for our "
-                f"{SECRET_ENV}: forged, or the groups use different secrets; refused"
+                f"{SECRET_ENV} and request: forged, replayed, or the groups use different secrets; refused"
             )
         try:
             state = decode_state(body)
@@ -372,16 +408,75 @@ class TensorTransport:
                 )
         return state
 
+    def signed_request(self, url: str) -> tuple[urllib.request.Request, str]:
+        """A GET of `url`, signed with the secret, its time and a fresh nonce (unsigned without a secret)."""
+        request = urllib.request.Request(url)
+        nonce = secrets.token_hex(16)
+        if self.secret is not None:
+            timestamp = f"{self.clock():.3f}"
+            request.add_header(TIME_HEADER, timestamp)
+            request.add_header(NONCE_HEADER, nonce)
+            request.add_header(AUTH_HEADER, request_mac(self.secret, url, timestamp, nonce))
+        return request, nonce
+
+    def check_request(self, path: str, headers: Any) -> tuple[int, str] | None:
+        """Why the server refuses a request for `path` with `headers` ((HTTP status, reason)), or None.
+
+        Checks, in order: the signature (of this server's own URL for `path`, the request's time and
+        nonce; compared in constant time), the time (within `auth_window_s` of the clock either way), the
+        nonce (not already served within the window). The nonce is remembered only once all pass.
+        """
+        if self.secret is None:
+            return None
+        given = headers.get(AUTH_HEADER) or ""
+        timestamp = headers.get(TIME_HEADER) or ""
+        nonce = headers.get(NONCE_HEADER) or ""
+        if not (given and timestamp and nonce):
+            return (
+                403,
+                f"missing {AUTH_HEADER}, {TIME_HEADER} or {NONCE_HEADER} ({SECRET_ENV} not set there?)",
+            )
+        url = self.metadata() + path.rpartition("/")[2]
+        expected = request_mac(self.secret, url, timestamp, nonce)
+        if not hmac.compare_digest(given.encode(), expected.encode()) or not _NONCE.match(nonce):
+            return 403, f"wrong {AUTH_HEADER}: another {SECRET_ENV}, or the request was altered"
+        try:
+            sent = float(timestamp)
+        except ValueError:
+            sent = math.nan
+        if not math.isfinite(sent):
+            return 403, f"{TIME_HEADER} {timestamp[:40]!r} is not a time in seconds"
+        now = self.clock()
+        if abs(now - sent) > self.auth_window_s:
+            side = "before" if sent < now else "after"
+            return 403, (
+                f"stale request: signed {abs(now - sent):.0f} s {side} this server's clock, outside "
+                f"+-{self.auth_window_s:g} s (parallel.replicas.auth_window_s); a replayed request, or the "
+                "machines' clocks differ (synchronise them with NTP)"
+            )
+        with self._nonce_lock:
+            self._nonces = {n: t for n, t in self._nonces.items() if t >= now - self.auth_window_s}
+            if nonce in self._nonces:
+                return 403, f"replayed request: nonce {nonce} was already served; refused"
+            if len(self._nonces) >= MAX_NONCES:
+                return (
+                    503,
+                    f"more than {MAX_NONCES} requests within {self.auth_window_s:g} s; try again later",
+                )
+            self._nonces[nonce] = sent
+        return None
+
     def _serve(self, handler: BaseHTTPRequestHandler) -> None:
         match = _PATH.match(handler.path)
         if match is None:
             handler.send_error(404, "expected /tenx-peer/STEP")
             return
-        if self.secret is not None:
-            given = handler.headers.get(AUTH_HEADER, "")
-            if not hmac.compare_digest(given, _mac(self.secret, handler.path.encode())):
-                handler.send_error(403, f"missing or wrong {AUTH_HEADER} (TENX_REPLICA_SECRET)")
-                return
+        refusal = self.check_request(handler.path, handler.headers)
+        if refusal is not None:
+            self.refused_requests += 1
+            handler.send_error(*refusal)
+            return
+        nonce = handler.headers.get(NONCE_HEADER) or ""
         step = int(match.group(1))
         with self._cond:
             self._cond.wait_for(
@@ -395,7 +490,7 @@ class TensorTransport:
         handler.send_header("Content-Type", "application/octet-stream")
         handler.send_header("Content-Length", str(len(payload)))
         if self.secret is not None:
-            handler.send_header(BODY_MAC_HEADER, _mac(self.secret, payload))
+            handler.send_header(BODY_MAC_HEADER, response_mac(self.secret, nonce, payload))
         handler.end_headers()
         try:
             with io.BytesIO(payload) as f:

@@ -115,6 +115,9 @@ class ReplicaConfig:
         "healing server and cross-group gloo): 127.0.0.1 when every group runs on this machine, this "
         "machine's address on the network the groups share otherwise (docs/security.md)",
     )
+    auth_window_s: float = field(
+        60.0, gt=0, help="with TENX_REPLICA_SECRET: refuse healing requests signed further than this from now"
+    )
 
     def validate(self) -> None:
         """Check the group id and sizes against `groups`, fragments and the host; names the field."""
@@ -201,14 +204,10 @@ class Replicas:
         self.cfg = cfg
         self.rank, self.world_size, self.device, self.events = rank, world_size, device, events
         self.group_id = resolve_group_id(cfg)
-        self.num_groups = cfg.groups
-        self.mode = cfg.mode
+        self.num_groups, self.mode = cfg.groups, cfg.mode
         self.sync_every = cfg.sync_every if cfg.mode != "sync" else 1
         self.lighthouse = resolve_lighthouse(cfg)
-        self.bytes_sent = 0
-        self.heals = 0
-        self.outer_steps = 0
-        self.participants = 0
+        self.bytes_sent = self.heals = self.outer_steps = self.participants = 0
         self._groups_seen: tuple[int, ...] = ()
         self._manager: Any = None
         self._pg: Any = None
@@ -239,13 +238,11 @@ class Replicas:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        replicas = self
+        replicas, host = self, self.host
         timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
 
         CountingManager = counting_manager(Manager, self)
         pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
-
-        host = self.host
 
         class TrackedPG(pg_class):  # type: ignore[valid-type,misc]
             """Remembers which groups the manager configured it with (for the replica-quorum event);
@@ -273,7 +270,10 @@ class Replicas:
         def load(state: dict[str, Any]) -> None:
             self._heal(state, load_state_dict)
 
-        self._transport = TensorTransport(host, timeout, secret=read_secret(), template=self._own_state)
+        secret, window = read_secret(), self.cfg.auth_window_s  # window: against replayed requests
+        self._transport = TensorTransport(
+            host, timeout, secret=secret, template=self._own_state, auth_window_s=window
+        )
         with _manager_server_on(host):
             self._manager = CountingManager(
                 pg=self._pg,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import ConfigError
-from tenx.utils.cli import add_set, subcommand
+from tenx.utils.cli import above, add_set, at_least, subcommand
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 SPAN = 8.0
@@ -171,24 +171,35 @@ def _choose_arguments(p: argparse.ArgumentParser) -> None:
     add_set(p, "config override")
     p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
     p.add_argument("--fit", required=True, help="a `tenx fit` report (JSON) of an L(N, D) law")
-    p.add_argument("--budget", required=True, type=float, help="training compute, FLOPs (e.g. 1e21)")
-    p.add_argument("--days", type=float, help="wall-clock limit: D is cut to what fits in it")
-    p.add_argument("--vocab", type=int, help="vocabulary size (default: the config's data, else 50257)")
-    p.add_argument("--top", type=int, default=12, help="rows to print")
+    p.add_argument(
+        "--budget", required=True, type=above(float, 0), help="training compute, FLOPs (e.g. 1e21)"
+    )
+    p.add_argument(
+        "--days", type=above(float, 0), help="wall-clock limit: D is cut to what fits in it (default: none)"
+    )
+    p.add_argument(
+        "--vocab",
+        type=at_least(int, 1),
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
+    )
+    p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
     p.add_argument("--json", help="also write every choice as JSON here")
 
 
 def cmd_choose(args: argparse.Namespace) -> None:
     """`tenx plan choose`: the choices for the budget, best first (and every one as JSON with --json)."""
-    from tenx.plan.estimate import load_cluster, vocab_of
+    from tenx.plan.estimate import load_cluster, plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
     from tenx.utils.io import atomic_write_json
 
     run = load_run_config(resolve_config_path(args.config), args.set)
-    vocab = args.vocab or vocab_of(run)
+    vocab = plan_vocab(run, args.vocab)
     result = choose(
-        run, load_cluster(args.cluster), load_fit(args.fit), args.budget, vocab=vocab, days=args.days
+        run, load_cluster(args.cluster), load_fit(args.fit), args.budget, vocab=vocab.size, days=args.days
     )
+    result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
+    print(vocab.describe())
     print(format_choices(result, args.top))
     if args.json:
         atomic_write_json(Path(args.json), result)

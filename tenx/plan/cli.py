@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tenx.utils.cli import add_set, subcommand
+from tenx.utils.cli import add_set, at_least, subcommand
 
 
 def register(subparsers: Any) -> None:
@@ -29,20 +29,28 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--strategy", choices=["ddp", "fsdp", "hsdp"], default="ddp", help="data parallelism")
     parser.add_argument(
-        "--ranks", type=int, help="data-parallel ranks (default: every accelerator of the cluster)"
+        "--ranks",
+        type=at_least(int, 1),
+        help="data-parallel ranks (default: every accelerator of the cluster)",
     )
     parser.add_argument(
         "--dtype", choices=["fp32", "bf16"], help="activation dtype (default: from train.precision)"
     )
     parser.add_argument(
-        "--vocab", type=int, help="vocabulary size (default: the config's data manifest, else 50257)"
+        "--vocab",
+        type=at_least(int, 1),
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
     )
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     parser.add_argument(
-        "--replica-groups", type=int, default=1, help="replica groups across clusters (torchft)"
+        "--replica-groups", type=at_least(int, 1), default=1, help="replica groups across clusters (torchft)"
     )
     parser.add_argument(
-        "--diloco-every", type=int, default=0, help="DiLoCo: steps between cross-cluster syncs"
+        "--diloco-every",
+        type=at_least(int, 0),
+        default=0,
+        help="DiLoCo: steps between cross-cluster syncs (0: synchronous groups only)",
     )
     parser.add_argument(
         "--measure",
@@ -50,7 +58,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="train the config a few steps here (micro-batch B and 2B on one process, and --ranks processes "
         "if more than 1), compare with the prediction, fit and keep the cluster's factors",
     )
-    parser.add_argument("--steps", type=int, default=6, help="--measure: steps per measurement")
+    parser.add_argument("--steps", type=at_least(int, 1), default=6, help="--measure: steps per measurement")
     parser.add_argument(
         "--no-calibration", action="store_true", help="use the cluster file's factors, not the measured ones"
     )
@@ -66,20 +74,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from tenx.errors import TenxError
     from tenx.hardware import device_name, pick_device
     from tenx.plan.calibrate import apply_calibration, calibration_path
-    from tenx.plan.estimate import estimate, format_estimate, load_cluster, vocab_of
+    from tenx.plan.estimate import estimate, format_estimate, load_cluster, plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
     from tenx.utils.io import atomic_write_json
 
     if not args.config or not args.cluster:
         raise TenxError(
-            "tenx plan needs --config CFG and --cluster CLUSTER (or a subcommand: shapes, failures)"
+            "tenx plan needs --config CFG and --cluster CLUSTER (or a subcommand: shapes, failures, choose)"
         )
     run = load_run_config(resolve_config_path(args.config), args.set)
-    vocab = args.vocab or vocab_of(run)
+    vocab = plan_vocab(run, args.vocab)
+    print(vocab.describe())
     cluster = load_cluster(args.cluster)
     calibration = None
     if args.measure:
-        calibration = _measure(args, cluster, vocab)
+        calibration = _measure(args, cluster, vocab.size)
     elif not args.no_calibration:
         applied = apply_calibration(cluster, device_name(pick_device(run.train.device, "train.device")))
         if applied == "applied":
@@ -91,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     plan = estimate(
         run,
         cluster,
-        vocab=vocab,
+        vocab=vocab.size,
         strategy=args.strategy,
         ranks=args.ranks,
         dtype=args.dtype,
@@ -101,7 +110,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     print(format_estimate(plan, cluster))
     if args.json:
-        record = {"cluster": cluster.name, "vocab": vocab, **plan.to_dict()}
+        record = {"cluster": cluster.name, "vocab": vocab.size, "vocab_source": vocab.source}
+        record = {**record, "vocab_assumed": vocab.assumed, **plan.to_dict()}
         atomic_write_json(Path(args.json), {**record, "calibration": calibration} if calibration else record)
         print(f"wrote {args.json}")
 

@@ -59,9 +59,13 @@ from tenx.errors import ConfigError
 from tenx.model.config import ModelConfig
 from tenx.model.flops import count_params, flops_per_token
 from tenx.model.transformer import CHUNK_ELEMENTS
+from tenx.plan.failure_rates import FailureRates
 from tenx.train.config import RunConfig
 
 GB = 1e9
+DEFAULT_VOCAB = 50257
+"""GPT-2's vocabulary: what a plan assumes, and says it assumes, when neither --vocab, model.vocab_size
+nor prepared data names one."""
 
 
 @dataclass
@@ -116,6 +120,10 @@ class Cluster:
     name: str = field("cluster", help="a name for reports")
     node: NodeSpec = field(default_factory=NodeSpec, help="one machine")
     cluster: ClusterSpec = field(default_factory=ClusterSpec, help="the network and efficiency factors")
+    failures: FailureRates = field(
+        default_factory=FailureRates,
+        help="unexpected interruptions by component (`tenx plan failures`; default: Llama 3's)",
+    )
 
     @property
     def accelerators(self) -> int:
@@ -275,9 +283,18 @@ def estimate(
     replica_groups: int = 1,
     diloco_every: int = 0,
 ) -> Plan:
-    """Memory, communication, step time, MFU and throughput of `run` on `cluster` (see the module doc)."""
+    """Memory, communication, step time, MFU and throughput of `run` on `cluster` (see the module doc);
+    `ranks` None: every accelerator of the cluster."""
+    for name, value, low in (
+        ("vocab", vocab, 1),
+        ("ranks", ranks, 1),
+        ("replica_groups", replica_groups, 1),
+        ("diloco_every", diloco_every, 0),
+    ):
+        if value is not None and not value >= low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
     model = run.model.resolved(vocab)
-    ranks = ranks or cluster.accelerators
+    ranks = ranks if ranks is not None else cluster.accelerators
     dtype = dtype or ("bf16" if run.train.precision in ("bf16", "fp8", "auto") else "fp32")
     c, node = cluster.cluster, cluster.node
     params = count_params(model).total
@@ -371,12 +388,51 @@ def format_estimate(plan: Plan, cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def vocab_of(run: Any) -> int:
-    """The vocabulary of the run's prepared data, else its model.vocab_size, else GPT-2's."""
-    from tenx.data.manifest import read_manifest
-    from tenx.errors import DataError
+@dataclass(frozen=True)
+class Vocab:
+    """The vocabulary a plan sizes the model with, and where it came from."""
 
+    size: int
+    source: str
+    """`--vocab`, `model.vocab_size`, the manifest it was read from, or why it is assumed."""
+    assumed: bool = False
+    """True when nothing names the vocabulary and GPT-2's is used: every figure of the plan depends on it."""
+
+    def describe(self) -> str:
+        """One line for a report; an assumed vocabulary says how to give the real one."""
+        if self.assumed:
+            return (
+                f"vocabulary {self.size:,} ASSUMED (GPT-2's): {self.source}; every figure depends on it: "
+                "give the real one with --vocab N"
+            )
+        return f"vocabulary {self.size:,} (from {self.source})"
+
+
+def plan_vocab(run: Any, flag: int | None = None) -> Vocab:
+    """The vocabulary to plan `run` with: `flag` (--vocab), else the config's model.vocab_size, else its
+    prepared data's manifest (data.dir), else GPT-2's, marked as assumed (the caller says so)."""
+    from tenx.errors import TenxError
+    from tenx.scaling.rungs import vocab_size_of
+
+    explicit = run.model.vocab_size
+    if flag is not None:
+        if flag < 1:
+            raise ConfigError(f"--vocab must be >= 1, got {flag}")
+        if explicit is not None and explicit != flag:  # the model would be built with model.vocab_size
+            raise ConfigError(
+                f"--vocab {flag} disagrees with the config's model.vocab_size={explicit}; drop --vocab or "
+                f"--set model.vocab_size={flag}"
+            )
+        return Vocab(flag, "--vocab")
+    if explicit is not None:
+        return Vocab(explicit, "model.vocab_size")
     try:
-        return int(read_manifest(run.data.dir)["tokenizer"]["vocab_size"])
-    except (DataError, OSError, KeyError, ValueError):
-        return int(run.model.vocab_size or 50257)
+        return Vocab(vocab_size_of(run), f"the manifest of {run.data.dir}")
+    except (TenxError, OSError, KeyError, TypeError, ValueError) as e:
+        unread = f"data.dir {run.data.dir} is not prepared" if not Path(run.data.dir).exists() else str(e)
+        return Vocab(DEFAULT_VOCAB, f"no --vocab, no model.vocab_size, and {unread}", assumed=True)
+
+
+def vocab_of(run: Any) -> int:
+    """The vocabulary size `plan_vocab` gives `run` (GPT-2's when nothing names one)."""
+    return plan_vocab(run).size

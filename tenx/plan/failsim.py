@@ -1,10 +1,9 @@
 """Failures at scale: what component failures cost a synchronous run, and a semi-synchronous one, as the
 accelerator count grows from 1e3 to 1e7 (`tenx plan failures`).
 
-Rates come from Llama 3's published breakdown (The Llama 3 Herd of Models, 2024, §3.3.4, Table 5): 466 job
-interruptions in a 54-day snapshot on 16,384 H100 GPUs, 47 planned and 419 unexpected. Only the 419
-unexpected ones are used, per category by their counts (which sum to 419; the paper's percentages do not all
-equal count/419). Each rate scales linearly with the GPU count: per-GPU rate = count / (16,384 GPUs × 54 d).
+Rates are the cluster file's (`--cluster`, its `[failures]` table: tenx/plan/failure_rates.py), by default
+Llama 3's: 419 unexpected interruptions by component over 16,384 H100 GPUs × 54 days. Each rate scales
+linearly with the GPU count: per-GPU rate = count / gpu_days.
 
 Synchronous (one job: any failure stops everyone, who restart from the last checkpoint). With job MTBF M,
 checkpoint cost δ (the loop is stalled), interval τ (work between saves), restart R and detection latency D
@@ -42,45 +41,20 @@ from scipy.optimize import brentq
 
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
-from tenx.utils.cli import subcommand
-
-LLAMA3_GPUS = 16_384
-LLAMA3_DAYS = 54.0
-# Llama 3 §3.3.4 Table 5: unexpected interruptions by root cause, 54 days on 16,384 H100s (sum 419).
-LLAMA3_UNEXPECTED = {
-    "faulty GPU": 148,
-    "GPU HBM3 memory": 72,
-    "software bug": 54,
-    "network switch/cable": 35,
-    "host maintenance": 32,
-    "GPU SRAM memory": 19,
-    "GPU system processor": 17,
-    "NIC": 7,
-    "NCCL watchdog timeouts": 7,
-    "silent data corruption": 6,
-    "GPU thermal interface + sensor": 6,
-    "SSD": 3,
-    "power supply": 3,
-    "server chassis": 2,
-    "IO expansion board": 2,
-    "dependency": 2,
-    "CPU": 2,
-    "system memory": 2,
-}
-DAY_S = 86_400.0
+from tenx.plan.failure_rates import DAY_S, FailureRates
+from tenx.utils.cli import above, at_least, subcommand
 
 
-def component_rates_per_gpu_s(counts: dict[str, int] | None = None) -> dict[str, float]:
-    """Failures per GPU-second of each component: its count over 16,384 GPUs × 54 days."""
-    exposure = LLAMA3_GPUS * LLAMA3_DAYS * DAY_S
-    return {name: n / exposure for name, n in (counts or LLAMA3_UNEXPECTED).items()}
+def component_rates_per_gpu_s(failures: FailureRates | None = None) -> dict[str, float]:
+    """Failures per GPU-second of each component: its count over the exposure (Llama 3's by default)."""
+    return (failures or FailureRates()).per_gpu_s()
 
 
-def job_mtbf_s(gpus: float, counts: dict[str, int] | None = None) -> float:
+def job_mtbf_s(gpus: float, failures: FailureRates | None = None) -> float:
     """Mean seconds between failures of a job spanning `gpus` accelerators (rates add linearly)."""
-    if gpus <= 0:
+    if not gpus > 0:
         raise TenxError(f"--gpus: need a positive accelerator count, got {gpus}")
-    return 1.0 / (gpus * sum(component_rates_per_gpu_s(counts).values()))
+    return 1.0 / (gpus * sum(component_rates_per_gpu_s(failures).values()))
 
 
 def daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
@@ -108,8 +82,10 @@ def sync_goodput_exact(
     """Exact goodput of a synchronous job under Poisson failures: τ / ((M + R + D)(e^{(τ+δ)/M} - 1))."""
     if interval_s <= 0:
         return 0.0
-    growth = math.expm1((interval_s + save_cost_s) / mtbf_s)
-    return interval_s / ((mtbf_s + restart_s + detect_s) * growth) if math.isfinite(growth) else 0.0
+    exponent = (interval_s + save_cost_s) / mtbf_s
+    if exponent > 700:  # e^700 is near float's limit: a segment of work practically never completes
+        return 0.0
+    return interval_s / ((mtbf_s + restart_s + detect_s) * math.expm1(exponent))
 
 
 def semi_sync_goodput(
@@ -244,11 +220,13 @@ def failure_table(
     days: float = 30.0,
     replicas: int = 8,
     seed: int = 0,
+    failures: FailureRates | None = None,
 ) -> list[Row]:
-    """The failure budget at each accelerator count; `groups=None` picks k by the group-size rule."""
+    """The failure budget at each accelerator count under `failures` (Llama 3's rates by default);
+    `groups=None` picks k by the group-size rule."""
     rows = []
     for i, g in enumerate(gpus_list):
-        m = job_mtbf_s(g)
+        m = job_mtbf_s(g, failures)
         tau = exact_interval_s(save_cost_s, m)
         k = groups if groups is not None else choose_groups(g, min_group_gpus)
         sync = sync_goodput_exact(tau, save_cost_s, m, restart_s, detect_s)
@@ -361,14 +339,19 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.2f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.1f}s"
 
 
-def sync_below_half_gpus(save_cost_s: float, restart_s: float, detect_s: float) -> float:
+def sync_below_half_gpus(
+    save_cost_s: float, restart_s: float, detect_s: float, failures: FailureRates | None = None
+) -> float:
     """The accelerator count at which synchronous goodput (optimal interval) falls to 50%."""
 
     def f(log_g: float) -> float:
-        m = job_mtbf_s(10**log_g)
+        m = job_mtbf_s(10**log_g, failures)
         return sync_goodput_exact(exact_interval_s(save_cost_s, m), save_cost_s, m, restart_s, detect_s) - 0.5
 
-    return float(10 ** brentq(f, 0.0, 9.0))
+    low, high = -9.0, 18.0
+    if f(low) * f(high) > 0:  # rates so extreme that goodput never crosses 50% in that range
+        return math.nan
+    return float(10 ** brentq(f, low, high))
 
 
 def register(plan_subparsers: Any) -> None:
@@ -377,30 +360,70 @@ def register(plan_subparsers: Any) -> None:
     subcommand(plan_subparsers, "failures", about, cmd_failures, _failures_arguments)
 
 
+def _gpu_counts(text: str) -> list[float]:
+    """`--gpus`: comma-separated positive, finite accelerator counts."""
+    counts = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"each count must be a number > 0, got {item!r} in {text!r}")
+        counts.append(value)
+    return counts
+
+
+def _groups(text: str) -> int | None:
+    """`--groups`: auto (None) or a number of groups >= 1."""
+    return None if text == "auto" else at_least(int, 1)(text)
+
+
 def _failures_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", default="1e3,1e4,1e5,1e6,1e7", help="comma-separated accelerator counts")
-    p.add_argument("--save-cost-s", type=float, default=60.0, help="seconds a checkpoint save stalls the job")
-    p.add_argument("--restart-s", type=float, default=600.0, help="seconds to restart (or heal a group)")
-    p.add_argument("--detect-s", type=float, default=0.0, help="seconds from a failure to its detection")
-    p.add_argument("--groups", default="auto", help="semi-synchronous replica groups: auto or N")
-    p.add_argument("--min-group-gpus", type=int, default=1024, help="auto: accelerators a group must hold")
-    p.add_argument("--sync-s", type=float, default=600.0, help="seconds between semi-synchronous syncs")
-    p.add_argument("--days", type=float, default=30.0, help="simulated days per replica")
-    p.add_argument("--replicas", type=int, default=8, help="independent simulations (for the 95%% CI)")
+    p.add_argument(
+        "--cluster",
+        help="a cluster file or a shipped one whose [failures] rates to use (default: Llama 3's)",
+    )
+    p.add_argument(
+        "--gpus", type=_gpu_counts, default="1e3,1e4,1e5,1e6,1e7", help="comma-separated accelerator counts"
+    )
+    p.add_argument(
+        "--save-cost-s", type=above(float, 0), default=60.0, help="seconds a checkpoint save stalls the job"
+    )
+    p.add_argument(
+        "--restart-s", type=at_least(float, 0), default=600.0, help="seconds to restart (or heal a group)"
+    )
+    p.add_argument(
+        "--detect-s", type=at_least(float, 0), default=0.0, help="seconds from a failure to its detection"
+    )
+    p.add_argument(
+        "--groups", type=_groups, default="auto", help="semi-synchronous replica groups: auto or N"
+    )
+    p.add_argument(
+        "--min-group-gpus", type=at_least(int, 1), default=1024, help="auto: accelerators a group must hold"
+    )
+    p.add_argument(
+        "--sync-s", type=at_least(float, 0), default=600.0, help="seconds between semi-synchronous syncs"
+    )
+    p.add_argument("--days", type=above(float, 0), default=30.0, help="simulated days per replica")
+    p.add_argument(
+        "--replicas", type=at_least(int, 2), default=8, help="independent simulations (for the 95%% CI)"
+    )
     p.add_argument("--no-sim", action="store_true", help="closed forms only")
     p.add_argument("--json", help="write one row per accelerator count here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the simulation (default 0)")
+    p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the simulation")
 
 
 def cmd_failures(args: argparse.Namespace) -> None:
     """`tenx plan failures`: the table, the 50% crossing, and the groups that keep 90%."""
-    try:
-        gpus = [float(x) for x in str(args.gpus).split(",") if x.strip()]
-        groups = None if args.groups == "auto" else int(args.groups)
-    except ValueError as e:
-        raise TenxError(f"--gpus / --groups: {e}") from e
-    if groups is not None and groups < 1:
-        raise TenxError(f"--groups: need >= 1, got {groups}")
+    from tenx.plan.estimate import load_cluster
+    from tenx.utils.io import atomic_write_text
+
+    # argparse runs `type` on a string default too, but not on a value set in Python (tests, callers)
+    gpus = _gpu_counts(args.gpus) if isinstance(args.gpus, str) else args.gpus
+    groups = _groups(args.groups) if isinstance(args.groups, str) else args.groups
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    failures = cluster.failures if cluster else FailureRates()
     rows = failure_table(
         gpus,
         args.save_cost_s,
@@ -413,15 +436,24 @@ def cmd_failures(args: argparse.Namespace) -> None:
         args.days,
         args.replicas,
         args.seed,
+        failures,
     )
+    where = f"cluster {cluster.name}" if cluster else "no --cluster: the default"
     print(
-        f"rates: Llama 3 §3.3.4, {sum(LLAMA3_UNEXPECTED.values())} unexpected interruptions / "
-        f"({LLAMA3_GPUS} GPUs × {LLAMA3_DAYS:g} d), linear in GPUs; δ={args.save_cost_s:g}s "
+        f"rates ({where}): {failures.describe()}, linear in GPUs; δ={args.save_cost_s:g}s "
         f"R={args.restart_s:g}s D={args.detect_s:g}s sync every {args.sync_s:g}s"
     )
+    if cluster:
+        print(
+            f"cluster {cluster.name}: {cluster.accelerators:,} accelerators, one interruption every "
+            f"{_dur(job_mtbf_s(cluster.accelerators, failures))} on average"
+        )
     print(format_table(rows))
-    half = sync_below_half_gpus(args.save_cost_s, args.restart_s, args.detect_s)
-    print(f"synchronous goodput falls below 50% at about {half:,.0f} accelerators")
+    half = sync_below_half_gpus(args.save_cost_s, args.restart_s, args.detect_s, failures)
+    if math.isnan(half):
+        print("synchronous goodput does not cross 50% between 1e-9 and 1e18 accelerators at these rates")
+    else:
+        print(f"synchronous goodput falls below 50% at about {half:,.0f} accelerators")
     for r in rows:
         if r.groups_for_90 is not None:
             print(f"  {r.gpus:.0e} GPUs: >= {r.groups_for_90} groups keep semi-synchronous goodput >= 90%")
@@ -431,5 +463,5 @@ def cmd_failures(args: argparse.Namespace) -> None:
             {**{k: asdict(r)[k] for k in keys}, **{k: v for k, v in asdict(r).items() if k not in keys}}
             for r in rows
         ]
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        atomic_write_text(Path(args.json), json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -6,7 +6,11 @@ coarser multiples, vocabulary padded to 128/256, the other head width, d_model +
 measurements where their shapes coincide. Timing rounds interleave every shape, so a candidate is compared
 with the baseline round by round, on the GEMMs the change touches (time per FLOP; plain time for vocabulary
 padding, whose extra columns are wasted work): a change counts only when every round agrees on its sign and
-its median gain exceeds the spread (max - min) of the paired ratios.
+its median gain exceeds the spread (max - min) of the paired ratios. Faster per FLOP is not a faster step: a
+wider model is often faster per FLOP and several times slower per step. The recommendation (`best`) is the
+nearest candidate faster on its GEMMs whose whole step is measurably faster too (by the same rule) with at
+least the baseline's parameters; the nearest faster per FLOP only (`best_per_flop`) is reported as what it is,
+with its step time and parameters.
 
 Shapes are (batch, M, K, N): `batch` independent (M, K) @ (K, N) products, 2*batch*M*K*N FLOPs each.
 On a CPU the micro-batch is capped (`max_tokens`) and times are scaled up linearly to the full one.
@@ -19,6 +23,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tenx.errors import ConfigError, TenxError
+from tenx.errors import ConfigError
 from tenx.hardware import pick_device, resolve_precision
 from tenx.model.config import ModelConfig, round_up
 from tenx.model.flops import count_params
-from tenx.utils.cli import subcommand
+from tenx.plan.estimate import DEFAULT_VOCAB
+from tenx.utils.cli import at_least, subcommand
+from tenx.utils.io import atomic_write_text
 
-DEFAULT_VOCAB = 50257
-"""GPT-2's vocabulary: used when neither the data nor the config names one."""
 CPU_MAX_TOKENS = 2048
 """Rows per GEMM benchmarked on a CPU; a full micro-batch of a large config would take minutes."""
 MIN_SAMPLE_S = 0.02
@@ -170,6 +175,15 @@ def _step_times(gemms: list[Gemm], times: dict[tuple[int, int, int, int], list[f
     return sum(g.count * times[g.key][r] for g in gemms)
 
 
+def _verdict(ratios: list[float]) -> tuple[bool, bool]:
+    """(faster, slower) from paired ratios candidate/baseline: every round agrees on the sign and the
+    median gain exceeds their spread (max - min)."""
+    gain = 1 - statistics.median(ratios)
+    spread = max(ratios) - min(ratios)
+    consistent = all(x < 1 for x in ratios) or all(x > 1 for x in ratios)
+    return gain > spread and consistent and gain > 0, -gain > spread and consistent and gain < 0
+
+
 def benchmark_shapes(
     model_cfg: ModelConfig,
     micro_batch: int,
@@ -180,11 +194,14 @@ def benchmark_shapes(
     vocab: int = DEFAULT_VOCAB,
     max_tokens: int | None = None,
     with_candidates: bool = True,
+    sampler: Callable[[tuple[int, int, int, int]], Callable[[], float]] | None = None,
 ) -> dict[str, Any]:
     """Time the forward GEMMs of raw config `model_cfg` and of its nearby candidates; a JSON-ready report.
 
     Times are per full micro-batch (scaled from at most `max_tokens` rows per GEMM; default: no cap on a
     GPU, CPU_MAX_TOKENS on a CPU) and per forward pass; backward is two more GEMMs of each shape.
+    `sampler(key)` gives, for one GEMM shape (batch, M, K, N), a function returning one sample's seconds per
+    call (default: a `_Timer` on `device`; tests give known times).
     """
     device = torch.device(device)
     if repeat < 2:
@@ -199,11 +216,11 @@ def benchmark_shapes(
         (what, cfg.resolved(vocab), gemm_shapes(cfg.resolved(vocab), bench_batch)) for what, cfg in configs
     ]
     keys = list(dict.fromkeys(g.key for _, _, gemms in plans for g in gemms))
-    timers = {key: _Timer(key, device, dtype) for key in keys}
+    samples = {key: sampler(key) if sampler else _Timer(key, device, dtype).sample for key in keys}
     times: dict[tuple[int, int, int, int], list[float]] = {key: [] for key in keys}
     for _ in range(repeat):  # interleaved: every shape once per round, so drift hits all alike
         for key in keys:
-            times[key].append(timers[key].sample() * scale)
+            times[key].append(samples[key]() * scale)
 
     base_gemms = plans[0][2]
     base_rounds = [_step_times(base_gemms, times, r) for r in range(repeat)]
@@ -261,18 +278,17 @@ def benchmark_shapes(
         unit = 1.0 if what.startswith("vocab") else flops_c / flops_b
         local = [c / b / unit for c, b in zip(local_c, local_b)]
         step = [c / b for c, b in zip(rounds, base_rounds)]
-        gain = 1 - statistics.median(local)
-        spread = max(local) - min(local)
-        consistent = all(x < 1 for x in local) or all(x > 1 for x in local)
+        faster, slower = _verdict(local)
         result["candidates"].append(
             {
                 "change": what,
                 "gemms": changed,
                 "metric": "time" if what.startswith("vocab") else "time per FLOP",
                 "ratio": statistics.median(local),
-                "spread": spread,
-                "faster": gain > spread and consistent and gain > 0,
-                "slower": -gain > spread and consistent and gain < 0,
+                "spread": max(local) - min(local),
+                "faster": faster,
+                "slower": slower,
+                "step_faster": _verdict(step)[0],
                 "params": params,
                 "step_gemm_flops": flops,
                 "step_gemm_time_s": statistics.median(rounds),
@@ -282,10 +298,22 @@ def benchmark_shapes(
                 "time_per_param_ratio": statistics.median(step) * base_params / params,
             }
         )
-    faster = [c for c in result["candidates"] if c["faster"]]
-    nearest = min(faster, key=lambda c: abs(c["params"] / base_params - 1), default=None)
-    result["best"] = nearest["change"] if nearest else None
+    result.update(pick_best(result["candidates"], base_params))
     return result
+
+
+def pick_best(candidates: list[dict[str, Any]], base_params: int) -> dict[str, str | None]:
+    """`best`: the nearest candidate (in parameters) faster on its GEMMs whose whole step is measurably
+    faster too, with at least `base_params` parameters (a smaller model is trivially faster); `best_per_flop`:
+    the nearest faster on its GEMMs, whatever its step time (None when there is none)."""
+
+    def nearest(pool: list[dict[str, Any]]) -> str | None:
+        found = min(pool, key=lambda c: abs(c["params"] / base_params - 1), default=None)
+        return found["change"] if found else None
+
+    faster = [c for c in candidates if c["faster"]]
+    better = [c for c in faster if c["step_faster"] and c["params"] >= base_params]
+    return {"best": nearest(better), "best_per_flop": nearest(faster)}
 
 
 def format_shapes(result: dict[str, Any]) -> str:
@@ -321,28 +349,35 @@ def format_shapes(result: dict[str, Any]) -> str:
             f"{verdict}; whole step x{c['step_time_ratio']:.3f} time, x{c['time_per_flop_ratio']:.3f} "
             f"per FLOP, x{c['time_per_param_ratio']:.3f} per param"
         )
-    best = result.get("best")
-    lines.append(f"Nearest faster shape: {best}" if best else "No nearby shape is measurably faster.")
+    by_change = {c["change"]: c for c in result["candidates"]}
+    best, per_flop = result.get("best"), result.get("best_per_flop")
+    if best:
+        c = by_change[best]
+        lines.append(
+            f"Faster step, no fewer parameters: {best} (whole step x{c['step_time_ratio']:.3f} the time, "
+            f"x{c['params'] / result['params']:.3f} the parameters)"
+        )
+    else:
+        lines.append("No nearby shape makes the whole step measurably faster without losing parameters.")
+    if per_flop and per_flop != best:
+        c = by_change[per_flop]
+        slower = c["step_time_ratio"] > 1
+        lines.append(
+            f"Faster per FLOP only: {per_flop}: its whole step takes x{c['step_time_ratio']:.3f} the time"
+            f"{' (SLOWER)' if slower else ''} for x{c['step_gemm_flops'] / result['step_gemm_flops']:.3f} "
+            f"the FLOPs and x{c['params'] / result['params']:.3f} the parameters"
+        )
     return "\n".join(lines)
-
-
-def _vocab_of(run: Any, flag: int | None) -> int:
-    """--vocab, else the run's prepared data's vocabulary, else model.vocab_size, else GPT-2's."""
-    from tenx.data.manifest import read_manifest
-
-    if flag is not None:
-        return flag
-    try:
-        return int(read_manifest(run.data.dir)["tokenizer"]["vocab_size"])
-    except (TenxError, OSError, KeyError, ValueError):
-        return int(run.model.vocab_size or DEFAULT_VOCAB)
 
 
 def cmd_shapes(args: argparse.Namespace) -> int:
     """Benchmark the run's GEMM shapes and nearby candidates; print the report, optionally write JSON."""
+    from tenx.plan.estimate import plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
 
     run = load_run_config(resolve_config_path(args.config), args.set)
+    vocab = plan_vocab(run, args.vocab)
+    print(vocab.describe())
     device = pick_device(args.device, "--device")
     dtype = resolve_precision(args.dtype or run.train.precision, device)
     if dtype == torch.bfloat16 and device.type == "cpu":
@@ -359,13 +394,15 @@ def cmd_shapes(args: argparse.Namespace) -> int:
         device,
         dtype,
         args.repeat,
-        vocab=_vocab_of(run, args.vocab),
+        vocab=vocab.size,
         max_tokens=args.max_tokens,
     )
-    result["config"] = args.config
+    result.update(
+        config=args.config, vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed
+    )
     print(format_shapes(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -380,11 +417,29 @@ def _shapes_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="run config: a .toml path or a shipped name")
     p.add_argument("--set", action="append", default=[], metavar="K=V", help="override a config field")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: the run's precision")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary when the data is not prepared")
-    p.add_argument("--repeat", type=int, default=5, help="timing rounds (interleaved across shapes)")
     p.add_argument(
-        "--max-tokens", type=int, default=None, help=f"rows per GEMM (CPU default {CPU_MAX_TOKENS})"
+        "--dtype", choices=["fp32", "bf16"], default=None, help="matmul dtype (default: the run's precision)"
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--vocab",
+        type=at_least(int, 1),
+        default=None,
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
+    )
+    p.add_argument(
+        "--repeat", type=at_least(int, 2), default=5, help="timing rounds (interleaved across shapes)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=at_least(int, 1),
+        default=None,
+        help=f"rows per GEMM (default: the whole micro-batch on a GPU, {CPU_MAX_TOKENS} on a CPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=at_least(int, 1),
+        default=None,
+        help="torch CPU threads (default: the config's train.threads, else torch's own choice)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")

@@ -12,6 +12,7 @@ from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
 from tenx.utils.cli import add_set, subcommand
+from tenx.utils.cpus import add_threads_argument, threads_override
 
 LADDER_FLAGS: tuple[str, ...] = (
     "grid",
@@ -30,8 +31,10 @@ FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")
 
 def cmd_ladder(args: argparse.Namespace) -> None:
     """Plan and run a ladder (or print its plan, or write its cluster scripts)."""
+    from tenx.hardware import set_torch_threads
     from tenx.scaling.ladder import LadderConfig, load_base, parse_budgets, run_ladder
 
+    set_torch_threads(args.threads)  # the dry run's timing probe; each run sets train.threads again
     lc = config_from_args(LadderConfig, args, LADDER_FLAGS)
     if args.budgets:
         lc.budgets = parse_budgets(args.budgets)
@@ -41,7 +44,7 @@ def cmd_ladder(args: argparse.Namespace) -> None:
         del argv[i : i + 2]
     argv = [a for a in argv if not a.startswith("--emit=")]
     run_ladder(
-        load_base(args.config, args.set),
+        load_base(args.config, args.set + threads_override(args.threads)),
         lc,
         args.out,
         dry_run=args.dry_run,
@@ -68,13 +71,16 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
     )
     lp.add_argument("--nproc", type=int, default=8, help="with --emit: processes (GPUs) per node")
     lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
+    add_threads_argument(lp)
 
 
 def cmd_derisk(args: argparse.Namespace) -> None:
     """Run a derisking study (or print its stack and runs)."""
+    from tenx.hardware import set_torch_threads
     from tenx.scaling.derisk import derisk_from_args, run_derisk
     from tenx.scaling.ladder import parse_budgets
 
+    set_torch_threads(args.threads)
     dc = derisk_from_args(
         args.config,
         args.base,
@@ -82,7 +88,7 @@ def cmd_derisk(args: argparse.Namespace) -> None:
         parse_budgets(args.budgets) if args.budgets else None,
         args.seeds,
         args.target,
-        args.set,
+        args.set + threads_override(args.threads),
     )
     run_derisk(dc, args.out, dry_run=args.dry_run)
 
@@ -105,10 +111,17 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
     )
     rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
     add_config_arguments(rp, DeriskConfig, ["seeds", "target"], overrides=True)
+    defaults = DeriskConfig()
+    for action in rp._actions:  # flags that override the file: say the value used when neither gives one
+        if action.dest in ("base", "budgets", "seeds") and "default" not in (action.help or ""):
+            value = getattr(defaults, action.dest)
+            shown = ",".join(f"{b:g}" for b in value) if action.dest == "budgets" else value
+            action.help = f"{action.help} (default: the --config file's, else {shown})"
     rp.add_argument(
         "--out", required=True, help="output directory (ladder/, report.md, report.png, derisk.json)"
     )
     rp.add_argument("--dry-run", action="store_true", help="print the stack and its runs; train nothing")
+    add_threads_argument(rp)
 
 
 def cmd_fit(args: argparse.Namespace) -> None:

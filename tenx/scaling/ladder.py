@@ -13,8 +13,10 @@ import dataclasses
 import json
 import re
 import shutil
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ from tenx.scaling.rungs import (
     PlannedRun,
     format_checks,
     format_ladder_plan,
+    format_seconds,
     minimum_checks,
     parse_budgets,
     plan_checks,
@@ -37,12 +40,14 @@ from tenx.scaling.rungs import (
     vocab_size_of,
 )
 from tenx.train.config import RunConfig, load_run_config
+from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir, read_jsonl
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "BudgetCheck",
     "LadderConfig",
+    "LadderProgress",
     "PlannedRun",
     "append_result",
     "config_key",
@@ -59,9 +64,12 @@ __all__ = [
     "plan_checks",
     "plan_ladder",
     "read_results",
+    "resume_hint",
+    "run_seconds",
     "run_ladder",
     "run_one",
     "shape_for_depth",
+    "steady_step_seconds",
 ]
 
 
@@ -165,9 +173,70 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
 
 
 # ----- running ---------------------------------------------------------------------------------------
-def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[str, Any]:
-    """Train (or resume, or reuse) one planned run, evaluate it and record its row in results.jsonl."""
+PROGRESS_EVERY_S = 30.0
+"""Seconds between the progress lines of a ladder run while it trains."""
+
+
+class LadderProgress(Callback):
+    """While a ladder run trains, a line every `every_s` seconds (and at its first step): the run, its step,
+    loss, time so far and the time its remaining steps will take at the pace so far. `clock` is the time
+    source (tests drive it)."""
+
+    name = "ladder-progress"
+
+    def __init__(
+        self, label: str, every_s: float = PROGRESS_EVERY_S, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.label, self.every_s, self.clock = label, every_s, clock
+        self._t0 = self._last = 0.0
+        self._start_step = 0
+        self._printed = False
+
+    def on_train_start(self, trainer: TrainerView) -> None:
+        self._t0 = self._last = self.clock()
+        self._start_step = trainer.step
+        self._printed = False
+
+    def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
+        now = self.clock()
+        if self._printed and now - self._last < self.every_s:
+            return
+        self._last, self._printed = now, True
+        done, left = trainer.step - self._start_step, trainer.total_steps - trainer.step
+        elapsed = now - self._t0
+        eta = f"{format_seconds(elapsed / done * left)} left" if done else "time left unknown"
+        print(
+            f"  {self.label}: step {trainer.step}/{trainer.total_steps} | loss {metrics['loss']:.4f} | "
+            f"{format_seconds(elapsed)} so far, {eta}",
+            flush=True,
+        )
+
+
+def resume_hint(command: str = "") -> str:
+    """What continues a stopped ladder run: the same `tenx ladder` command (finished runs are skipped, the
+    stopped one resumes from its checkpoint); `command`: that command, when known."""
+    if command:
+        return f"the same command (it skips finished runs and resumes this one): {command}"
+    return "the same `tenx ladder` (or `tenx derisk`) command: it skips finished runs and resumes this one"
+
+
+def run_one(
+    run: PlannedRun,
+    ladder_dir: str | Path,
+    lc: LadderConfig,
+    *,
+    label: str = "",
+    command: str = "",
+    progress_every_s: float | None = PROGRESS_EVERY_S,
+    callbacks: list[Callback] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume, or reuse) one planned run, evaluate it and record its row in results.jsonl.
+
+    While it trains a line every `progress_every_s` seconds says how far it is (None: no lines), headed by
+    `label` (default: the run's name). `command` is the ladder's own command, which a stop signal's message
+    names as what continues the ladder. `callbacks`: more training callbacks (tests)."""
     from tenx import checkpoint as ckpt
+    from tenx.monitor.goodput import mark_run_start
     from tenx.monitor.loss_plot import plot_loss_curve
     from tenx.train.run import train
 
@@ -195,7 +264,11 @@ def run_one(run: PlannedRun, ladder_dir: str | Path, lc: LadderConfig) -> dict[s
             shutil.rmtree(run_dir)  # a run that crashed before its first checkpoint starts over cleanly
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(config_path, text)
-        train(run.config, run_dir, resume=resume)
+        extra = list(callbacks or [])
+        if progress_every_s is not None:
+            extra.append(LadderProgress(label or run.name, progress_every_s))
+        mark_run_start()  # this run's start-up in its ledger begins here, not when the process began
+        train(run.config, run_dir, resume=resume, extra_callbacks=extra, resume_hint=resume_hint(command))
     train_s = time.perf_counter() - t0
     metrics = read_jsonl(rd.metrics)
     plot_loss_curve(rd.metrics, rd.loss_curve, run.name)
@@ -236,8 +309,37 @@ def _train_tokens(cfg: RunConfig) -> int:
     return int(read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]["tokens"])
 
 
-def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> float:
-    """Training tokens per second of cfg's model on this machine (a few timed steps on random tokens)."""
+PROBE_SECONDS = 1.5
+"""The dry run times each shape's training steps for at least this long (and at least PROBE_STEPS steps)."""
+PROBE_STEPS = 5
+PROBE_MAX_STEPS = 40
+RUN_OVERHEAD_S = 2.0
+"""Seconds each run spends outside its steps and evaluations: building the model and data, its checkpoint
+saves, the loss plot and loading its final checkpoint for evaluation (1 to 3 s per run of the default ladder
+on 2 CPU cores)."""
+
+
+def steady_step_seconds(step_seconds: list[float]) -> float:
+    """A shape's step time from the timed steps of a probe: their median, so that a burst of other work on
+    the machine during a step or two (or a slow first step) does not set the estimate of a whole run."""
+    if not step_seconds:
+        raise TenxError("steady_step_seconds: no timed steps")
+    return float(statistics.median(step_seconds))
+
+
+def measure_tokens_per_s(
+    cfg: RunConfig,
+    micro_batch: int,
+    steps: int = PROBE_STEPS,
+    *,
+    min_seconds: float = PROBE_SECONDS,
+    max_steps: int = PROBE_MAX_STEPS,
+    progress: Callable[[str], None] | None = None,
+) -> float:
+    """Training tokens per second of cfg's model on this machine: two warm-up steps on random tokens, then
+    steps timed one by one until there are `steps` of them and `min_seconds` have passed (at most
+    `max_steps`); the rate of their median step (steady_step_seconds). Runs on cfg's train.threads when set
+    (the threads its training will use). `progress` gets one line when the timing is done."""
     import torch
 
     from tenx.hardware import pick_device, resolve_precision, tune_cpu_allocator
@@ -248,6 +350,8 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     device = pick_device(cfg.train.device, "train.device")
     if device.type == "cpu":
         tune_cpu_allocator()
+        if cfg.train.threads is not None:  # training sets these threads (tenx.train.parts); time on them
+            torch.set_num_threads(cfg.train.threads)
     model_cfg = cfg.model.resolved(vocab_size_of(cfg))
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device)
@@ -258,38 +362,64 @@ def measure_tokens_per_s(cfg: RunConfig, micro_batch: int, steps: int = 3) -> fl
     assert model_cfg.vocab_size is not None
     x = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), device=device)
 
-    def step() -> None:
+    def step() -> float:
+        t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
             loss, _ = model(x[:, :-1], x[:, 1:])  # the training step's own forward and loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # `device`'s queue: on `cuda:1` the current GPU is another one
+        return time.perf_counter() - t0
 
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # `device`'s queue: on `cuda:1` the current GPU is another one
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return steps * micro_batch * model_cfg.seq_len / (time.perf_counter() - t0)
+    step(), step()  # the first steps allocate and pick kernels
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < max_steps and (len(times) < steps or time.perf_counter() - began < min_seconds):
+        times.append(step())
+    seconds = steady_step_seconds(times)
+    if progress is not None:
+        progress(
+            f"  timed depth {model_cfg.depth} ({micro_batch} x {model_cfg.seq_len} tokens a step): "
+            f"{seconds:.3g} s a step (median of {len(times)}), {micro_batch * model_cfg.seq_len / seconds:,.0f} "
+            "tokens/s"
+        )
+    return micro_batch * model_cfg.seq_len / seconds
 
 
-def estimate_seconds(plan: list[PlannedRun], lc: LadderConfig) -> dict[str, float]:
-    """Estimated training + evaluation seconds of each run on this machine, from measured step times."""
+def run_seconds(run: PlannedRun, lc: LadderConfig, tokens_per_s: float) -> float:
+    """Estimated wall seconds of one run that trains at `tokens_per_s`: its training tokens, the validation
+    losses it logs and the final evaluation of val and held-out (forward only: a third of a training step's
+    cost per token), and RUN_OVERHEAD_S."""
+    # at least eval_bytes of each of the val and held-out splits, in tokens
+    eval_tokens = 2 * lc.eval_bytes / _bytes_per_token(run.config) if lc.eval_bytes else 0.0
+    tc = run.config.train
+    if tc.eval_every:  # the validation losses logged during the run
+        eval_tokens += -(-tc.steps // tc.eval_every) * tc.eval_batches * tc.micro_batch * run.seq_len
+    return run.tokens / tokens_per_s + eval_tokens / (3 * tokens_per_s) + RUN_OVERHEAD_S
+
+
+def estimate_seconds(
+    plan: list[PlannedRun],
+    lc: LadderConfig,
+    *,
+    tokens_per_s: Callable[[RunConfig, int], float] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """Estimated wall seconds of each run on this machine (run_seconds), from the training speed of each
+    shape (depth, micro-batch): `tokens_per_s(config, micro_batch)`, by default measured here
+    (measure_tokens_per_s, once per shape, saying each to `progress`)."""
     speed: dict[tuple[int, int], float] = {}
     out = {}
     for run in plan:
         shape = (run.depth, run.config.train.micro_batch)
         if shape not in speed:
-            speed[shape] = measure_tokens_per_s(run.config, run.config.train.micro_batch)
-        # forward-only evaluation is about 3x faster per token than a training step
-        eval_tokens = 2 * lc.eval_bytes / _bytes_per_token(run.config) if lc.eval_bytes else 0.0
-        tc = run.config.train
-        if tc.eval_every:  # the validation losses logged during the run
-            eval_tokens += -(-tc.steps // tc.eval_every) * tc.eval_batches * tc.micro_batch * run.seq_len
-        out[run.name] = run.tokens / speed[shape] + eval_tokens / (3 * speed[shape])
+            if tokens_per_s is not None:
+                speed[shape] = tokens_per_s(run.config, shape[1])
+            else:
+                speed[shape] = measure_tokens_per_s(run.config, shape[1], progress=progress)
+        out[run.name] = run_seconds(run, lc, speed[shape])
     return out
 
 
@@ -303,6 +433,25 @@ def _bytes_per_token(cfg: RunConfig) -> float:
         return 1.0 if cfg.model.vocab_size == ByteTokenizer.vocab_size else 3.0
     split = read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]
     return max(1e-9, split["bytes"] / max(1, split["tokens"]))
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _contention_note() -> str:
+    """A line for the estimate when other programs keep this machine's CPUs busy (its steps were timed
+    beside them), else ''."""
+    from tenx.hardware import BUSY_SHARE
+    from tenx.utils.cpus import busy_cpus, usable_cpu_count
+
+    busy = busy_cpus()
+    if busy < BUSY_SHARE:
+        return ""
+    return (
+        f"\nnote: other programs kept {busy:.1f} of {usable_cpu_count()} CPUs busy while the steps were timed; "
+        "the estimate holds while they go on doing so (alone, this machine trains faster)"
+    )
 
 
 # ----- the whole ladder ------------------------------------------------------------------------------
@@ -328,7 +477,9 @@ def run_ladder(
 ) -> list[dict[str, Any]]:
     """Plan the ladder into `out` and run it (or print it, or write cluster launch scripts).
 
-    Returns the results rows of the plan's runs (empty for a dry run or when emitting).
+    `collect` is this ladder's own command without --emit (`tenx ladder ...`): the emitted scripts end with
+    it, and a stop signal's message names it as what continues the ladder. Returns the results rows of the
+    plan's runs (empty for a dry run or when emitting).
     """
     lc.validate()
     base = ensure_data(base, lc, dry_run=dry_run)
@@ -337,7 +488,13 @@ def run_ladder(
     footer = format_checks(checks, lc) if lc.grid == "isoflop" else None
     out = Path(out)
     if dry_run:
-        print(format_ladder_plan(plan, estimate_seconds(plan, lc) if estimate else None, footer))
+        seconds, note = None, ""
+        if estimate:
+            shapes = len({(r.depth, r.config.train.micro_batch) for r in plan})
+            _say(f"timing the training steps of each of the plan's {shapes} model shapes on this machine")
+            seconds = estimate_seconds(plan, lc, progress=_say)
+            note = _contention_note()
+        print(format_ladder_plan(plan, seconds, footer) + note)
         return []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
@@ -358,7 +515,7 @@ def run_ladder(
     rows = []
     t0 = time.perf_counter()
     for i, run in enumerate(plan, 1):
-        row = run_one(run, out, lc)
+        row = run_one(run, out, lc, label=f"[{i}/{len(plan)}] {run.name}", command=collect)
         state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
         print(
             f"[{i}/{len(plan)}] {run.name}: held-out {row['heldout_loss']:.4f} nats/token, "

@@ -83,13 +83,16 @@ class LadderConfig:
         300.0,
         gt=0,
         help="isoflop: no run trains more tokens per parameter (15x the target of 20, far past an IsoFLOP "
-        "minimum; at 300 the default ladder's depth 1 reads its 29M training bytes once)",
+        "minimum; at 300 the shipped ladder's depth 1 reads its 29M training bytes once)",
     )
     sizes: int = field(3, ge=1, help="isoflop: model sizes (depths) per budget")
     min_depth: int = field(1, ge=1, help="smallest model.depth the planner may use")
     max_depth: int = field(32, ge=1, help="largest model.depth the planner may use")
     unique_tokens: int | None = field(
-        None, ge=2, help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data"
+        None,
+        ge=2,
+        help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data (default: "
+        "none, no cap)",
     )
     seeds: int = field(1, ge=1, help="seeds of every run (train.seed, train.seed+1, ...)")
     noise_seeds: int = field(
@@ -533,17 +536,18 @@ def format_ladder_plan(
             f"{r.lr:>8.2e} {r.warmup_steps:>6}"
         )
         if seconds is not None:
-            line += f" {_fmt_s(seconds[r.name]):>9}"
+            line += f" {format_seconds(seconds[r.name]):>9}"
         lines.append(line)
     total_flops = sum(r.flops for r in plan)
     tail = f"{len(plan)} runs, {total_flops:.2e} FLOPs"
     if seconds is not None:
-        tail += f", about {_fmt_s(sum(seconds.values()))} on this machine (measured step times)"
+        tail += f", about {format_seconds(sum(seconds.values()))} on this machine (measured step times)"
     lines.append(tail)
     if footer:
         lines.append(footer)
     return "\n".join(lines)
 
 
-def _fmt_s(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """Seconds as the ladder prints them: `42 s` below two minutes, else `3.5 min`."""
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"

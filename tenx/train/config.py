@@ -72,7 +72,12 @@ class TrainConfig:
         "autocast plus fp8 matmuls in the block linears (torchao; GPUs of compute capability 8.9+)",
     )
     compile: bool = field(False, help="torch.compile the model")
-    threads: int | None = field(None, ge=1, help="CPU threads for torch (default: torch's choice)")
+    threads: int | None = field(
+        None,
+        ge=1,
+        help="CPU threads for torch (default: auto, tenx.hardware.choose_threads: OMP_NUM_THREADS, else the "
+        "usable CPUs less those other programs keep busy, shared among this machine's ranks)",
+    )
     tune_allocator: bool = field(
         True, help="CPU on Linux/glibc: keep freed buffers in the heap (avoids a page fault storm every step)"
     )

@@ -52,6 +52,19 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def replanned_warmup(step: int, total_steps: int, warmup_steps: int) -> int:
+    """The warmup of a run re-planned to `total_steps` steps after `step` steps (tenx.train.callbacks.budget),
+    its warmup so far `warmup_steps`.
+
+    A warmup that is over stays as it was (changing it would move the decay already under way). One still
+    under way may only shorten, to a tenth of the run, as `tenx quickstart` plans a short run, and never to
+    before `step`: the learning rate goes on up from where it is (a longer warmup would lower it).
+    """
+    if step >= warmup_steps:
+        return warmup_steps
+    return max(step, min(warmup_steps, max(1, total_steps // 10)))
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; fused when the device supports it."""
     decay: list[nn.Parameter] = []

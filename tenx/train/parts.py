@@ -22,7 +22,7 @@ import torch
 from tenx import checkpoint as ckpt
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import ConfigError, TenxError
-from tenx.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
+from tenx.hardware import peak_flops, pick_device, resolve_precision, set_torch_threads, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import ParamCount, count_params, flops_per_token
 from tenx.model.transformer import Transformer
@@ -258,8 +258,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
             f"world_size={env.world_size} needs an initialised process group (launch with torchrun)"
         )
     tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
+    set_torch_threads(tc.threads, "--set train.threads=N", share=env.local_world_size)
     device = rank_device(pick_device(tc.device, "train.device"), env)
     if device.type == "cpu" and tc.tune_allocator:
         tune_cpu_allocator()

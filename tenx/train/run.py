@@ -67,8 +67,10 @@ def train(
     run_dir: str | Path,
     resume: str | None = None,
     extra_callbacks: list[Callback] | None = None,
+    resume_hint: str | None = None,
 ) -> tuple[Trainer, dict[str, Any]]:
-    """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path."""
+    """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path.
+    `resume_hint`: what a stop signal's message says continues the run (default `--resume auto`)."""
     run_dir = Path(run_dir)
     checkpoints = rundir.RunDir(run_dir).checkpoints
     if resume is None and ckpt.list_checkpoints(checkpoints):
@@ -84,6 +86,8 @@ def train(
     finished = False
     try:
         trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks, env.rank), env=env)
+        if resume_hint is not None:
+            trainer.resume_hint = resume_hint
         if resume is None and env.rank == 0:
             trainer.clear_memory_tier()  # snapshots of an earlier run that used this directory
         if resume is not None:

@@ -92,6 +92,7 @@ def take_step(
     device: torch.device,
     hooks: StepHooks | None = None,
     apply: bool | None = None,
+    lr: float | None = None,
 ) -> StepResult:
     """Take optimizer step `step` (counted from 1) over `micro_batches` (inputs, targets) per rank.
 
@@ -99,13 +100,15 @@ def take_step(
     forward and backward run through (set to training mode), `trained.forward` what the forward calls,
     `trained.raw_model` the transformer whose gradients are clipped. `shape` gives the micro-batches per
     step, the schedule's length and the z-loss. `apply`: None takes the update when the guard and the
-    commit allow it; True/False decide it (replay: as the record says).
+    commit allow it; True/False decide it (replay: as the record says). `lr`: the learning rate to take
+    (replay: the recorded one, which a wall-clock budget's re-planning may have moved off the config's
+    schedule); None: the schedule's, lr_at(step - 1, shape.total_steps, optim).
     """
     hooks = hooks if hooks is not None else StepHooks()
     model, raw_model, forward = trained.model, trained.raw_model, trained.forward
     optimizer, guard = trained.optimizer, trained.guard
     accum = shape.grad_accum
-    lr = lr_at(step - 1, shape.total_steps, optim)
+    lr = lr_at(step - 1, shape.total_steps, optim) if lr is None else lr
     for group in optimizer.param_groups:
         group["lr"] = lr
     model.train()

@@ -11,13 +11,16 @@ a no-op without replica groups.
 Side concerns are Callbacks on the named hook events of tenx/train/hooks.py, except those `fit` drives
 itself because each must run at one fixed place in the loop or owns the process: the goodput ledger,
 the watchdog, the checkpointer's poll, the rollback, the stop signals (and the SIGUSR1 stack dump) and
-the replica groups' attach and close; hooks.py says why for each. Save, load, resume, rollback and
-healing live in tenx/train/state.py (TrainerState, inherited).
+the replica groups' attach and close; hooks.py says why for each. A wall-clock budget
+(tenx/train/callbacks/budget.py) is a callback that plans the run's length; the loop applies its plan
+between steps, since callbacks change nothing. Save, load, resume, rollback and healing live in
+tenx/train/state.py (TrainerState, inherited).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -29,11 +32,12 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
-from tenx.hardware import host_to_device, resolve_precision
-from tenx.monitor.goodput import process_start_time
+from tenx.hardware import host_to_device, peak_flops, resolve_precision
+from tenx.monitor.goodput import run_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
 from tenx.rundir import step_of
+from tenx.train.callbacks.budget import WallBudget
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
 from tenx.train.parts import Parts, build_parts
@@ -75,6 +79,10 @@ class Trainer(TrainerState):
     `parts` are built from `cfg` and `run_dir` when not given (tenx.train.parts.build_parts).
     """
 
+    resume_hint = "--resume auto"
+    """How the message of a stop signal says to continue the run; a command that trains runs for the user
+    (`tenx ladder`) sets its own (tenx.train.run.train's `resume_hint`)."""
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -88,6 +96,11 @@ class Trainer(TrainerState):
         self.parts = parts if parts is not None else build_parts(cfg, run_dir, env)
         """Everything the run trains with, by group; the names of TrainerParts read them."""
         self.callbacks = list(callbacks or [])
+        self.budget = next((cb for cb in self.callbacks if isinstance(cb, WallBudget)), None)
+        """The wall-clock budget whose plan the loop follows (tenx.train.callbacks.budget); None: none."""
+        self.optim_cfg = cfg.optim
+        """The optimizer settings the steps follow: cfg.optim, with the budget's warmup when it re-plans."""
+        self._peak_checked = float("-inf")  # when the peak was last measured again (`_raise_peak`)
         self.train_stream.on_bad_shard = self._on_bad_shard
         self.sync: Any = self.replicas if self.replicas is not None else LocalStep()
         """The cross-group part of each step (tenx.parallel.replicas)."""
@@ -134,7 +147,7 @@ class Trainer(TrainerState):
             [batches],
             self.parts.trained,
             self.parts.shape,
-            self.cfg.optim,
+            self.optim_cfg,
             self.device,
             hooks=StepHooks(
                 forward_context=self.autocast,
@@ -154,6 +167,9 @@ class Trainer(TrainerState):
         sync_metrics = self.sync.end_step()
         dt = time.perf_counter() - t0
         tokens_per_s = self.tokens_per_step / dt
+        achieved = self.flops_per_token * tokens_per_s
+        if achieved > self.peak_flops:
+            self._raise_peak(achieved)
         metrics: dict[str, Any] = {
             "step": self.step,
             "tokens": self.tokens_seen,
@@ -161,7 +177,7 @@ class Trainer(TrainerState):
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+            "mfu": achieved / self.peak_flops,
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
@@ -172,6 +188,30 @@ class Trainer(TrainerState):
         if self.ledger is not None:
             self.ledger.step(self.step, dt, skipped=verdict is not None)
         return metrics
+
+    def _raise_peak(self, achieved: float) -> None:
+        """A step ran above the peak MFU is taken against, so that peak is too low (on a CPU: measured while
+        other work shared the cores). Measure it again, at most once a minute, and take no less than the rate
+        just achieved: MFU never exceeds 100%. The run records it as a `peak-flops-raised` event."""
+        before, now = self.peak_flops, time.perf_counter()
+        peak = achieved
+        if now - self._peak_checked >= 60.0:
+            self._peak_checked = now
+            peak = max(peak, peak_flops(self.device, self.amp_dtype) * self.data_parallel)
+        self.parts.flops = dataclasses.replace(self.parts.flops, peak=peak)
+        if self.rank == 0 and peak > 1.01 * before:
+            self.events.emit("peak-flops-raised", self.step, before=before, achieved=achieved, peak=peak)
+
+    def _follow_budget(self) -> None:
+        """Take the wall-clock budget's latest plan (tenx.train.callbacks.budget): the run's length and the
+        warmup that the learning rate follows from the next step on."""
+        plan = self.budget.plan if self.budget is not None else None
+        if plan is None:
+            return
+        if plan.total_steps != self.total_steps:
+            self.parts.shape = dataclasses.replace(self.parts.shape, total_steps=plan.total_steps)
+        if plan.warmup_steps is not None and plan.warmup_steps != self.optim_cfg.warmup_steps:
+            self.optim_cfg = dataclasses.replace(self.cfg.optim, warmup_steps=plan.warmup_steps)
 
     def _bad_step(
         self, verdict: str, loss: float, grad_norm: float, position: int, windows: list[int]
@@ -258,8 +298,9 @@ class Trainer(TrainerState):
                     total_steps=self.total_steps,
                 )
             self._emit("on_train_start")
+            self._follow_budget()
             if self.ledger is not None:
-                self.ledger.start(self.step, process_start_time())
+                self.ledger.start(self.step, run_start_time())
             self.watchdog.start(self.step)
             while self.step < self.total_steps:
                 self._emit("on_step_start")
@@ -270,6 +311,7 @@ class Trainer(TrainerState):
                 self.checkpointer.poll()
                 if self._rollback_due:
                     self.rollback()
+                self._follow_budget()
                 self.watchdog.beat(self.step)
                 signum = self._stop_requested(stop.signum)
                 if signum and self.step < self.total_steps:
@@ -317,7 +359,7 @@ class Trainer(TrainerState):
         if self.rank == 0:
             self.events.emit("stopped", self.step, signal=name, checkpoint=str(path))
             print(
-                f"tenx: {name} at step {self.step}: saved checkpoint {path}; continue with --resume auto",
+                f"tenx: {name} at step {self.step}: saved checkpoint {path}; continue with {self.resume_hint}",
                 flush=True,
             )
         raise KeyboardInterrupt

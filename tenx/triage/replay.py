@@ -28,6 +28,7 @@ one-shot event (what replay exists to tell apart) and is not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,9 @@ class Replayer:
         self.cfg: RunConfig = load_run_config(self.rundir.config)
         self.reference = reference
         self.notes: list[str] = []
+        self.target_step: int | None = None
+        """The step `prepare` rebuilt the state for; `step_lr` is its recorded learning rate."""
+        self.step_lr: float | None = None
         prov = read_json_object(self.rundir.provenance)
         tc = self.cfg.train
         threads = tc.threads or int(prov.get("hardware", {}).get("torch_threads") or 0)
@@ -295,7 +299,9 @@ class Replayer:
         first_divergent = None
         for s in range(self.step + 1, step):
             record = chain[s]
-            outcome = self.run_step(s, record["windows"], apply=record.get("skipped") is None)
+            outcome = self.run_step(
+                s, record["windows"], apply=record.get("skipped") is None, lr=_recorded_lr(record)
+            )
             if first_divergent is None and not outcome.matches(outcome_of_record(record), self.rtol):
                 first_divergent = s
         return source, first_divergent
@@ -312,6 +318,12 @@ class Replayer:
             recorded = outcome_of_record(record)
         before = at_time if at_time is not None else (float(record["time"]) if record else None)
         chain = self.timeline(step, before)
+        self.target_step = step
+        self.step_lr = _recorded_lr(record) if record is not None else None
+        if self.step_lr is None and chain:  # a step that crashed: the schedule as last recorded
+            total = chain[max(chain)].get("total_steps")
+            if isinstance(total, int) and total > 0:
+                self.shape = dataclasses.replace(self.shape, total_steps=total)
         windows = step_windows(self, step, record, chain)
         source, first_divergent = self.rebuild(step, chain)
         return recorded, windows, source, first_divergent
@@ -384,14 +396,16 @@ class Replayer:
         *,
         apply: bool | None = None,
         capture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        lr: float | None = None,
     ) -> StepOutcome:
         """Execute step `step` on `windows` (global ids per micro-batch) from the current state.
 
         The step is the trainer's own (tenx.train.step.take_step) with replay's hooks: every rank's
         micro-batches in this process, the op-bug library and `capture` around them, the reference path's
         float64 loss and math attention. `apply`: whether to take the optimizer step (None: as the guard
-        decides now; True/False: as the record says). Exceptions from the forward or backward are returned
-        as the outcome.
+        decides now; True/False: as the record says). `lr`: the learning rate to take (default: step
+        `step`'s as recorded by `prepare`, else the schedule's). Exceptions from the forward or backward are
+        returned as the outcome.
         """
         assert self.model is not None
         result = take_step(
@@ -408,6 +422,7 @@ class Replayer:
                 catch_errors=True,
             ),
             apply=apply,
+            lr=lr if lr is not None else (self.step_lr if step == self.target_step else None),
         )
         if result.error is not None:  # the step's own failure is the outcome to compare
             error = result.error
@@ -549,3 +564,9 @@ def replay(
         first_divergent=first_divergent,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _recorded_lr(record: dict[str, Any]) -> float | None:
+    """The learning rate a step record says the step took (None in records older than the field)."""
+    lr = record.get("lr")
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

@@ -9,6 +9,7 @@ lowest layer so that any package can register its own commands; tenx/cli.py only
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,9 @@ class DefaultsFormatter(argparse.HelpFormatter):
         default = action.default
         if (
             action.option_strings
-            and default not in (None, False, [], "", argparse.SUPPRESS)
+            and default is not None
+            and default is not False  # by identity: a default of 0 or 0.0 is shown
+            and default not in ([], "", argparse.SUPPRESS)
             and "default" not in text.lower()
         ):
             text += " (default: %(default)s)"
@@ -92,6 +95,33 @@ def subcommand(
 def add_set(parser: argparse.ArgumentParser, help: str) -> None:
     """The repeatable `--set SECTION.KEY=VALUE` override."""
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def at_least(kind: Callable[[str], Any], minimum: float) -> Callable[[str], Any]:
+    """An argparse `type=` for a flag that takes a finite `kind` (int or float) >= `minimum`: anything else
+    is a usage error naming the flag (`argument --ranks: must be an integer >= 1, got '-3'`), exit status 2."""
+    return _bounded(kind, minimum, strict=False)
+
+
+def above(kind: Callable[[str], Any], minimum: float) -> Callable[[str], Any]:
+    """An argparse `type=` for a flag that takes a finite `kind` (int or float) > `minimum` (see `at_least`)."""
+    return _bounded(kind, minimum, strict=True)
+
+
+def _bounded(kind: Callable[[str], Any], minimum: float, *, strict: bool) -> Callable[[str], Any]:
+    what = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or (value <= minimum if strict else value < minimum):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse's own messages name the type by it
+    return parse
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 
 from tenx.data.prepare import stream
 from tenx.errors import ConfigError, DataError
+from tenx.utils.cpus import usable_cpu_count
 
 TASK = np.dtype([("seq", "<u8"), ("code", "u1"), ("num_bytes", "<u8"), ("digest", "V16")])
 OUTCOMES = ("kept", "kept-replaced", "empty_skipped", "binary_skipped")
@@ -174,11 +175,11 @@ def run_stage(stage: str, cfg: Any, work: stream.Work, extra: tuple = ()) -> int
         raise ConfigError(
             "engine 'datatrove' needs the datatrove package: pip install datatrove (or use --engine local)"
         ) from None
-    tasks = cfg.tasks or cfg.workers or os.cpu_count() or 1
+    tasks = cfg.tasks or cfg.workers or usable_cpu_count()
     logs = str(work.dir / f"datatrove-{stage}")
     pipeline = [_step(stage, cfg, extra)]
     if cfg.engine == "datatrove":
-        workers = min(tasks, cfg.workers or os.cpu_count() or 1)
+        workers = min(tasks, cfg.workers or usable_cpu_count())
         executor = LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=logs)
         executor.run()
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import sys
 import time
@@ -47,6 +46,7 @@ from tenx.data.prepare.stream import (
 )
 from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
+from tenx.utils.cpus import usable_cpu_count
 from tenx.utils.io import atomic_write_json, fsync_dir
 
 TOKENIZERS = ("bpe", "bytes")
@@ -121,7 +121,7 @@ class PrepareConfig:
         None,
         ge=1,
         le=1024,
-        help="worker processes that clean, hash and tokenize (default: this machine's cores)",
+        help="worker processes that clean, hash and tokenize (default: the CPUs this process may use)",
     )
     resume: bool = field(
         False, help="continue an interrupted prepare of the same source and settings where it stopped"
@@ -235,7 +235,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
 def _prepare(
     cfg: PrepareConfig, out: Path, work: Work, source_entry: dict[str, Any], progress: bool
 ) -> dict[str, Any]:
-    workers = cfg.workers or os.cpu_count() or 1
+    workers = cfg.workers or usable_cpu_count()
     laps: dict[str, float] = {}
     lap = _stopwatch(laps)
     if cfg.engine != "local" and not work.state.get("scan", {}).get("final"):

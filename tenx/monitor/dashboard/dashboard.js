@@ -29,6 +29,8 @@
   var heatmapRun = 0;
   var latest = [];
   var syncing = false;
+  var stepZoom = null;  /* the steps in view after a zoom, [first, last]; null: each chart's own steps */
+  var LOG_TICKFORMAT = ",.3~r";  /* every tick of a log axis labelled with its value: 0.02, 0.5, 1, 2,000 */
 
   function esc(value) {
     return String(value).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;")
@@ -115,36 +117,92 @@
     return Object.assign(base, extra || {});
   }
 
+  /* A chart without data: its note, and no axes (plotly's default range, -1 to 6, is no data's). */
   function empty(lay, text) {
     lay.annotations = [{text: text, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5,
       font: {color: "#889", size: 13}}];
+    lay.xaxis = Object.assign({}, lay.xaxis, {visible: false});
+    lay.yaxis = Object.assign({}, lay.yaxis, {visible: false});
     return lay;
+  }
+
+  /* The steps a chart's traces span, [first, last] (a heatmap's cells reach half a column further). */
+  function stepRange(traces) {
+    var lo = Infinity, hi = -Infinity;
+    traces.forEach(function (t) {
+      var xs = Array.prototype.filter.call(t.x || [], finite);
+      if (!xs.length) return;
+      var first = xs.reduce(function (a, b) { return Math.min(a, b); });
+      var last = xs.reduce(function (a, b) { return Math.max(a, b); });
+      var pad = t.type !== "heatmap" ? 0 : xs.length > 1 ? (last - first) / (xs.length - 1) / 2 : 0.5;
+      lo = Math.min(lo, first - pad);
+      hi = Math.max(hi, last + pad);
+    });
+    return hi >= lo ? [lo, hi] : null;
+  }
+
+  /* Ticks of a step axis showing `range`: whole steps. Below 10 steps in view plotly's own choice falls
+   * between steps (a heatmap of one stats step: 99.6, 99.8, ...), so the ticks are then every step. */
+  function stepTicks(range) {
+    if (range && range[1] - range[0] < 10) return {tickmode: "linear", tick0: 0, dtick: 1};
+    return {tickmode: "auto", tick0: null, dtick: null};
   }
 
   function draw(id, traces, lay, emptyText) {
     var div = document.getElementById(id);
     if (!traces.length) lay = empty(lay, emptyText || "no data yet");
+    if (div.classList.contains("step-chart")) {
+      lay.xaxis = Object.assign({}, lay.xaxis, stepTicks(stepZoom || stepRange(traces)));
+    }
     return Plotly.react(div, traces, lay, PLOT_CONFIG).then(function () { linkAxes(div); });
   }
 
-  /* Zooming the steps of one chart zooms every chart over steps. */
+  /* Zooming the steps of one chart zooms every chart over steps, and sets each one's step ticks. */
   function linkAxes(div) {
     if (div.tenxLinked || !div.classList.contains("step-chart")) return;
     div.tenxLinked = true;
     div.on("plotly_relayout", function (ev) {
       if (syncing) return;
-      var update = null;
-      if (ev["xaxis.range[0]"] !== undefined) update = {"xaxis.range": [ev["xaxis.range[0]"], ev["xaxis.range[1]"]]};
-      else if (ev["xaxis.range"]) update = {"xaxis.range": ev["xaxis.range"]};
-      else if (ev["xaxis.autorange"]) update = {"xaxis.autorange": true};
-      if (!update) return;
+      var range = null;
+      if (ev["xaxis.range[0]"] !== undefined) range = [ev["xaxis.range[0]"], ev["xaxis.range[1]"]];
+      else if (ev["xaxis.range"]) range = ev["xaxis.range"];
+      else if (!ev["xaxis.autorange"]) return;
+      stepZoom = range;
       syncing = true;
-      var others = Array.prototype.filter.call(document.querySelectorAll(".step-chart"), function (d) {
-        return d !== div && d.data;
+      var charts = Array.prototype.filter.call(document.querySelectorAll(".step-chart"), function (d) {
+        return d.data;
       });
-      Promise.all(others.map(function (d) { return Plotly.relayout(d, update); }))
-        .then(function () { syncing = false; }, function () { syncing = false; });
+      Promise.all(charts.map(function (d) {
+        var update = {};
+        if (d !== div) update = range ? {"xaxis.range": range} : {"xaxis.autorange": true};
+        var ticks = stepTicks(range || stepRange(d.data));
+        Object.keys(ticks).forEach(function (key) { update["xaxis." + key] = ticks[key]; });
+        return Plotly.relayout(d, update);
+      })).then(function () { syncing = false; }, function () { syncing = false; });
     });
+  }
+
+  /* Colour bar ticks for colours that are log10 of the values, labelled with the values themselves: the
+   * powers of ten in range, or where fewer than two are, 1, 2 and 5 times them, or every digit times
+   * them; the ends and the middle when even those give fewer than two (a narrow range). */
+  function logColorbar(logs) {
+    var lo = logs.reduce(function (a, b) { return Math.min(a, b); });  /* no apply: a million values */
+    var hi = logs.reduce(function (a, b) { return Math.max(a, b); });
+    var vals = [];
+    [[1], [1, 2, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]].forEach(function (multiples) {
+      if (vals.length >= 2) return;
+      vals = [];
+      for (var e = Math.floor(lo); e <= Math.ceil(hi); e++) {
+        multiples.forEach(function (m) {
+          var v = e + Math.log10(m);
+          if (v >= lo - 1e-9 && v <= hi + 1e-9) vals.push(v);
+        });
+      }
+    });
+    if (vals.length < 2) vals = hi > lo ? [lo, (lo + hi) / 2, hi] : [lo];
+    return {tickvals: vals, ticktext: vals.map(function (v) {
+      return Math.pow(10, v).toLocaleString("en-US", {maximumSignificantDigits: 3});
+    })};
   }
 
   function describe(event) {
@@ -233,7 +291,8 @@
         name: esc(run.name), meta: key});
       (opts.extra ? opts.extra(run, i) : []).forEach(function (t) { traces.push(t); });
     });
-    var lay = layout(title, {yaxis: {title: {text: opts.unit || ""}, type: opts.log ? "log" : "linear"}});
+    var lay = layout(title, {yaxis: {title: {text: opts.unit || ""}, type: opts.log ? "log" : "linear",
+      tickformat: opts.log ? LOG_TICKFORMAT : ""}});
     if (opts.shapes) lay.shapes = opts.shapes;
     return draw(id, traces, lay);
   }
@@ -296,8 +355,10 @@
       var z = log ? h.z.map(function (row) {
         return row.map(function (v) { return v === null ? null : Math.log10(v); });
       }) : h.z;
+      var colorbar = Object.assign({title: {text: log ? "log scale" : ""}, thickness: 12},
+        log ? logColorbar(finite.map(Math.log10)) : {});
       var trace = {type: "heatmap", x: h.step, y: h.layers, z: z, customdata: h.z, colorscale: "Viridis",
-        meta: "heatmap", name: name, colorbar: {title: {text: log ? "log10" : ""}, thickness: 12},
+        meta: "heatmap", name: name, colorbar: colorbar,
         hovertemplate: "step %{x}<br>layer %{y}<br>" + esc(name) + " %{customdata:.4g}<extra></extra>"};
       return draw(id, [trace], layout(esc(name) + " per layer: " + esc(run.name), {
         showlegend: false, yaxis: {type: "category", title: {text: "layer"}},

@@ -28,6 +28,7 @@ from tenx.scaling.fit.laws import (
     COMPUTE_FORM,
     DATA_CONSTRAINED_FORM,
     LAWS,
+    PARAM_BOUNDS,
     POWER_FORM,
     TIED_FORM,
     FitConfig,
@@ -40,6 +41,7 @@ from tenx.scaling.fit.laws import (
 from tenx.scaling.fit.plots import plot_fit
 from tenx.scaling.fit.published import inner_cv, published_accuracy
 from tenx.scaling.fit.report import (
+    fit_warnings,
     format_fit,
     leave_largest_size_out,
     parse_target,
@@ -53,6 +55,7 @@ __all__ = [
     "COMPUTE_FORM",
     "DATA_CONSTRAINED_FORM",
     "LAWS",
+    "PARAM_BOUNDS",
     "POWER_FORM",
     "TIED_FORM",
     "FitConfig",
@@ -66,6 +69,7 @@ __all__ = [
     "fit_compute",
     "fit_data_constrained",
     "fit_points",
+    "fit_warnings",
     "format_fit",
     "inner_cv",
     "isoflop_minima",

@@ -54,7 +54,8 @@ def compute_optimal(fit: FitResult, C: float) -> dict[str, Any]:
     ok = np.all(np.isfinite(fit.samples), axis=1) if len(fit.samples) else np.zeros(0, bool)
     if ok.any():
         q = 100 * (1 - fit.level) / 2
-        low, high = np.nanpercentile(allocate(fit.samples[ok]), [q, 100 - q], axis=0)
+        with np.errstate(invalid="ignore"):  # an infinite N of a degenerate refit: the interval says inf
+            low, high = np.nanpercentile(allocate(fit.samples[ok]), [q, 100 - q], axis=0)
         for i, key in enumerate(("N", "D", "loss")):
             out[f"{key}_interval"] = [float(low[i]), float(high[i])]
     return out

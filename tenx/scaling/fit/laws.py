@@ -48,6 +48,14 @@ _R_STAR_GRID = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
 _EXPONENT_BOUNDS = (0.0, 5.0)
 _LOG_E_BOUNDS = (-10.0, 10.0)
 _LOG_R_STAR_BOUNDS = (math.log(1e-2), math.log(1e6))
+PARAM_BOUNDS: dict[str, tuple[float, float]] = {
+    "E": (math.exp(_LOG_E_BOUNDS[0]), math.exp(_LOG_E_BOUNDS[1])),
+    "alpha": _EXPONENT_BOUNDS,
+    "beta": _EXPONENT_BOUNDS,
+    "R_D_star": (math.exp(_LOG_R_STAR_BOUNDS[0]), math.exp(_LOG_R_STAR_BOUNDS[1])),
+}
+"""The range the optimiser allows each bounded parameter (A and B are free): a fitted value or an interval
+at one of these ends means the runs did not determine it (tenx.scaling.fit.report.fit_warnings)."""
 _MIN_COMPUTE_POINTS = 4  # below this L(C) = E + A C^-alpha is under-determined; fall back to A C^-alpha
 
 
@@ -251,9 +259,10 @@ class FitResult:
             shape = np.shape(self.predict(N, D, C, U))
             nan = np.full(shape, np.nan)
             return (math.nan, math.nan) if scalar else (nan, nan)
-        preds = np.exp(self._log_predict(self.samples[ok], N, D, C, U))
         q = 100 * (1 - level) / 2
-        low, high = np.percentile(preds, [q, 100 - q], axis=0)
+        with np.errstate(over="ignore", invalid="ignore"):  # a wild refit's prediction may overflow: inf
+            preds = np.exp(self._log_predict(self.samples[ok], N, D, C, U))
+            low, high = np.percentile(preds, [q, 100 - q], axis=0)
         return (float(low[0]), float(high[0])) if scalar else (low, high)
 
     def to_dict(self, samples: bool = False) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from tenx.scaling.fit.frontier import (
     leave_largest_out,
     prediction_rows,
 )
-from tenx.scaling.fit.laws import LAWS, FitResult
+from tenx.scaling.fit.laws import LAWS, PARAM_BOUNDS, POWER_FORM, TIED_FORM, FitResult
 from tenx.scaling.fit.plots import plot_fit
 from tenx.scaling.fit.solver import with_serial_blas
 from tenx.scaling.table import Points, Table, read_table
@@ -101,6 +101,64 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (float, np.floating)):
         return float(obj) if math.isfinite(obj) else None
     return obj
+
+
+def _at_bound(value: float, bound: float) -> bool:
+    return abs(value - bound) <= 1e-6 if bound == 0 else abs(value / bound - 1) <= 1e-3
+
+
+def fit_warnings(report: dict[str, Any]) -> list[str]:
+    """What makes a fit's figures untrustworthy, each in a sentence: a parameter at the end of the range
+    the fit allows it (the runs did not determine it), an interval of no width or one spanning the whole
+    range, too few runs for the parameters, a leave-largest-out that could not run, a target far beyond
+    the runs. `report` is run_fit's (its `fit` a FitResult.to_dict())."""
+    fit = report["fit"]
+    params, intervals = fit["params"], fit["intervals"]
+    out = []
+    n_params = {POWER_FORM: 2, TIED_FORM: 4}.get(fit["form"], len(params))  # E is 0 in the power form
+    if report["n_fit"] < 2 * n_params:
+        out.append(
+            f"{report['n_fit']} runs fitted for {n_params} parameters: too few to determine them (aim for "
+            "2 runs per parameter or more, over more model sizes and budgets); read every figure below as "
+            "a rough guess"
+        )
+    for name, (lo_bound, hi_bound) in PARAM_BOUNDS.items():
+        if name not in params or (name == "E" and fit["form"] == POWER_FORM):
+            continue
+        value = params[name]
+        for bound, side in ((lo_bound, "lowest"), (hi_bound, "highest")):
+            if _at_bound(value, bound):
+                out.append(
+                    f"{name} = {value:.4g} is the {side} value the fit allows: the runs do not determine "
+                    f"{name}, and predictions away from the runs follow the bound, not the data"
+                )
+    if fit.get("n_bootstrap"):
+        for name, (lo, hi) in intervals.items():
+            if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+                out.append(f"{name}'s interval is not finite: bootstrap refits diverged")
+            elif hi - lo <= 1e-9 * max(abs(lo), abs(hi), 1e-300):
+                out.append(
+                    f"{name}'s interval [{lo:.4g}, {hi:.4g}] has no width: every bootstrap refit gave the same "
+                    "value (a bound of the fit), which is no sign of certainty"
+                )
+            elif name in PARAM_BOUNDS and all(_at_bound(v, b) for v, b in zip((lo, hi), PARAM_BOUNDS[name])):
+                out.append(
+                    f"{name}'s interval [{lo:.4g}, {hi:.4g}] spans every value the fit allows: the runs do "
+                    f"not determine {name}"
+                )
+    llo = report.get("leave_largest_out")
+    if llo and "skipped" in llo:
+        out.append(f"leave-largest-out was not run: {llo['skipped']}; the fit's extrapolation is untested")
+    target = report.get("target")
+    if target:
+        c_target = target.get("C") or 6 * target.get("N", 0) * target.get("D", 0)
+        c_max = report.get("max_flops") or 0
+        if c_max > 0 and c_target > 1000 * c_max:
+            out.append(
+                f"the target's compute C={c_target:.3g} is {c_target / c_max:,.0f}x the largest run's: an "
+                "extrapolation that far rests on the law's form, not on the runs"
+            )
+    return out
 
 
 def _point_residuals(fit: FitResult, points: Points) -> np.ndarray:
@@ -270,7 +328,9 @@ def run_fit(
         if law != "data-constrained" and np.all(np.isfinite(kept.fit.N))
         else None,
         "target": _predict_target(fit, parsed_target) if parsed_target else None,
+        "max_flops": float(max(np.max(kept.fit.C), np.max(table.holdout.C, initial=0.0))),
     }
+    report["warnings"] = fit_warnings(report)
     if law == "compute" and len(table.holdout):
         report["holdout_budgets"] = [at_budget(fit, table.holdout, g) for g in budget_groups(table.holdout)]
     if law != "compute":
@@ -309,6 +369,11 @@ def _fmt_interval(lo: float | None, hi: float | None) -> str:
     return f"  [{lo:.4g}, {hi:.4g}]"
 
 
+def _fmt_loss(loss: float) -> str:
+    """A loss with 4 decimals; a tiny one (a broken fit's) with its digits, never `0.0000`."""
+    return f"{loss:.4f}" if abs(loss) >= 0.01 or loss == 0 else f"{loss:.3g}"
+
+
 def format_fit(report: dict[str, Any]) -> str:
     """A readable summary of `run_fit`'s report: parameters, predictions, leave-largest-out, target."""
     fit = report["fit"]
@@ -320,6 +385,10 @@ def format_fit(report: dict[str, Any]) -> str:
     for p in report["excluded"]:
         label = p.get("name") or f"N={p['params']:.3g} D={p['tokens']:.3g}"
         lines.append(f"    left out {label} (loss {p['actual']:.4f}): {p['reason']}")
+    warnings = report.get("warnings") or []
+    if warnings:
+        lines.append("  WARNING: this fit is not to be trusted as it stands:")
+        lines += [f"    - {w}" for w in warnings]
     level = round(100 * fit["level"])
     lines.append(f"  parameters ({level}% intervals):")
     for name, value in fit["params"].items():
@@ -344,12 +413,16 @@ def format_fit(report: dict[str, Any]) -> str:
             f"  leave-largest-out (budget C={llo['budget']:.3g}, {len(llo['rows'])} runs): "
             f"max |error| {100 * llo['max_abs_rel_error']:.2f}%"
         )
+    elif llo:
+        lines.append(f"  leave-largest-out (budget C={llo['budget']:.3g}): not run: {llo['skipped']}")
+    elif llo is None:
+        lines.append("  leave-largest-out: not run: the fitted runs span one budget")
     if report.get("target"):
         t = report["target"]
         keys = ", ".join(f"{k}={t[k]:.3g}" for k in ("N", "D", "C", "U") if k in t)
         if t.get("predicted") is not None:
             lines.append(
-                f"  target {keys}: loss {t['predicted']:.4f}{_fmt_interval(t.get('low'), t.get('high'))}"
+                f"  target {keys}: loss {_fmt_loss(t['predicted'])}{_fmt_interval(t.get('low'), t.get('high'))}"
             )
     co = report.get("compute_optimal")
     if co and co.get("degenerate"):
@@ -357,7 +430,7 @@ def format_fit(report: dict[str, Any]) -> str:
     elif co:
         lines.append(
             f"  compute-optimal at C={co['C']:.3g}: N={co['N']:.3g} D={co['D']:.3g} "
-            f"({co['tokens_per_param']:.1f} tokens/param) loss {co['loss']:.4f}"
+            f"({co['tokens_per_param']:.1f} tokens/param) loss {_fmt_loss(co['loss'])}"
         )
     iso = report.get("isoflop")
     if iso and "N_exponent" in iso:

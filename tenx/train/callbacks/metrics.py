@@ -99,6 +99,7 @@ class Progress(Callback):
             if "pred_final" in self._watch:
                 text += f" (pred {self._watch['pred_final']:.4f})"
         if self._bar is not None:
+            self._bar.total = trainer.total_steps  # a wall-clock budget re-plans the run's length
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(1)
             return

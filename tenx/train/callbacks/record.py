@@ -83,6 +83,8 @@ class StepRecord(Callback):
             "grad_norm": grad_norm,
             "digest": step_digest(loss, grad_norm),
             "skipped": metrics.get("skipped"),
+            "lr": metrics.get("lr"),
+            "total_steps": trainer.total_steps,
             "position": flight.get("position"),
             "windows": flight.get("all"),
             "skips": len(trainer.data_skips),

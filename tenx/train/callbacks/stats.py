@@ -6,7 +6,8 @@ fixed micro-batch of the validation split (the training split when there is none
 block's output and asks each attention layer for its largest logit; being a separate eager call of the
 model, it leaves the training forward, its compiled graph and its memory untouched, and draws no random
 numbers, so a run with statistics trains exactly as one without. The probe's input is the same at every
-stats step, so a growing statistic shows a change of the model, not of the data.
+stats step, so a growing statistic shows a change of the model, not of the data. On validation data its
+logits also give the loss per data source (tenx/monitor/source_loss.py).
 
 Other steps pay nothing: no hook is registered and no flag is set outside stats steps. A stats step
 pays for the probe, a copy of the parameters (for ||Δθ||) and one all-gather of a few numbers per layer
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tenx.data.loader import sequential_windows
+from tenx.data.loader import sequential_windows, spread_windows
 from tenx.monitor.internals import (
     activation_moments,
     group_sums,
@@ -44,6 +45,7 @@ from tenx.monitor.internals import (
     stat_key,
     update_ratio,
 )
+from tenx.monitor.source_loss import LOSS_SOURCE, loss_by_source, probe_sources
 from tenx.train.hooks import Callback, TrainerView
 
 _PER_RANK = ("step_time_s", "memory_gib")
@@ -93,6 +95,9 @@ class ModelStats(Callback):
         self._hooks: list[Any] = []
         self._clock: _Clock | None = None
         self._probe: torch.Tensor | None = None
+        self._sources: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+        """When the probe is validation data: its data sources (tenx.monitor.source_loss), targets and each
+        target's source."""
         self._layers: list[str] = []
         """The model's layers (block indices, then embed / head / norm), in the order of tenx.monitor.internals."""
         self._index: list[int] = []
@@ -221,8 +226,14 @@ class ModelStats(Callback):
         model = trainer.raw_model
         if self._probe is None:
             stream = trainer.val_stream if trainer.val_stream is not None else trainer.train_stream
-            batches = sequential_windows(stream, trainer.model_cfg.seq_len, trainer.loader.micro_batch, 1)
-            self._probe = next(iter(batches))[0].to(trainer.device)
+            seq_len, rows = trainer.model_cfg.seq_len, trainer.loader.micro_batch
+            inputs, targets = next(iter(sequential_windows(stream, seq_len, rows, 1)))
+            self._probe = inputs.to(trainer.device)
+            if trainer.val_stream is not None:  # the loss per data source, of validation tokens only
+                windows = spread_windows(len(stream), seq_len, rows)  # the windows of the probe's rows
+                names, index = probe_sources(stream, windows, seq_len)
+                device = trainer.device
+                self._sources = (names, targets.to(device), torch.from_numpy(index).to(device))
         moments: dict[int, torch.Tensor] = {}
 
         def observe(i: int, x_BTD: torch.Tensor) -> None:
@@ -234,6 +245,10 @@ class ModelStats(Callback):
         try:
             with trainer.autocast():
                 logits = model(self._probe, on_block_output=observe)
+            by_source = []
+            if self._sources is not None and self._sources[0]:
+                sources, source_targets, source_index = self._sources
+                by_source.append(loss_by_source(logits, source_targets, source_index, len(sources)))
             figures = torch.cat(
                 [
                     logit_stats(logits),
@@ -241,6 +256,7 @@ class ModelStats(Callback):
                         torch.stack([moments[i][0], moments[i][1], moments[i][2], a.logit_max])
                         for i, a in enumerate(attentions)
                     ),
+                    *by_source,
                 ]
             ).tolist()
         finally:
@@ -254,6 +270,9 @@ class ModelStats(Callback):
             out[stat_key("act_rms", i)] = rms
             out[stat_key("act_max", i)] = peak
             out[stat_key("attn_logit_max", i)] = figures[5 + 4 * i]
+        if by_source and self._sources is not None:
+            for name, loss in zip(self._sources[0], figures[2 + 4 * len(attentions) :], strict=True):
+                out[stat_key(LOSS_SOURCE, name)] = loss
         return out
 
     def _remove_hooks(self) -> None:
