@@ -143,12 +143,15 @@ def env_threads() -> int | None:
     return None
 
 
-def choose_threads(requested: int | None = None, flag: str = "--threads N", share: int = 1) -> int:
+def choose_threads(
+    requested: int | None = None, flag: str = "--threads N", share: int = 1, *, quiet: bool = False
+) -> int:
     """torch's CPU thread count for a command: `requested` when given (a `--threads` flag, train.threads);
     else OMP_NUM_THREADS when set; else the usable CPUs (tenx.utils.cpus.usable_cpu_count: affinity,
     cgroup quota, Slurm; at most torch's own default, the physical cores) less those other programs keep
     busy (tenx.utils.cpus.busy_cpus, a tenth of a second), divided among the `share` processes of this
-    job on this machine. A choice cut by busy CPUs is said in one line on stderr, naming `flag` to override.
+    job on this machine. A choice cut by busy CPUs is said in one line on stderr, naming `flag` to override
+    (`quiet`: not said; a training run that re-checks says it in an event).
     """
     if requested is not None:
         return requested
@@ -161,7 +164,7 @@ def choose_threads(requested: int | None = None, flag: str = "--threads N", shar
     busy = busy_cpus()
     taken = min(cpus, int(busy + 1 - BUSY_SHARE))
     threads = max(1, (cpus - taken) // share)
-    if threads < cpus // share:
+    if threads < cpus // share and not quiet:
         print(
             f"tenx: other programs keep {busy:.1f} of {cpus} CPUs busy: torch uses {threads} thread"
             f"{'s' if threads > 1 else ''}, not {cpus // share} (threads sharing a core wait on each "

@@ -317,3 +317,48 @@ def test_training_auto_threads_use_the_same_chooser(tiny_data, tiny_config, tmp_
     train(tiny_config(tiny_data, "train.steps=1", "checkpoint.every=0", "train.eval_every=0"), run)
     assert json.loads((run / "run.json").read_text())["hardware"]["torch_threads"] == 1
     assert "--set train.threads=N to choose" in capsys.readouterr().err
+
+
+def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_threads(
+    tiny_data, tiny_config, tmp_path, monkeypatch
+):
+    """A program busy on one of two cores when the run starts, gone after step 3: the run goes from one
+    torch thread to two instead of training at half speed to its end; each step's record says which it
+    ran on, and replay runs each step on that count, so the steps still reproduce bit for bit."""
+    import tenx.train.trainer as trainer_module
+    from tenx.monitor.events import read_events
+    from tenx.train.callbacks.record import read_steps
+    from tenx.train.hooks import Callback
+    from tenx.train.run import train
+    from tenx.triage.replay import replay
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    _contention(monkeypatch, 2, 1.0)
+    monkeypatch.setattr(trainer_module, "THREADS_RECHECK_S", 0.0)
+    steps_done = []
+    monkeypatch.setattr(
+        trainer_module, "choose_threads", lambda quiet=False: 1 if len(steps_done) < 3 else 2
+    )
+
+    class Count(Callback):
+        name = "count"
+
+        def on_step_end(self, trainer, metrics) -> None:
+            steps_done.append(trainer.step)
+
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, "train.steps=6", "checkpoint.every=0", "train.eval_every=0")
+    try:
+        train(cfg, run, extra_callbacks=[Count()])
+    finally:
+        torch.set_num_threads(1)
+    assert [r["threads"] for r in read_steps(run / "steps.jsonl")] == [1, 1, 1, 2, 2, 2]
+    changed = [e for e in read_events(run) if e["kind"] == "threads-changed"]
+    assert [(e["step"], e["before"], e["threads"]) for e in changed] == [(3, 1, 2)]
+    torch.set_num_threads(2)
+    try:
+        assert replay(run, 3, repeat=1).verdict == "reproduces"
+        assert replay(run, 5, repeat=1).verdict == "reproduces"
+    finally:
+        torch.set_num_threads(1)

@@ -43,6 +43,7 @@ from tenx.monitor.events import EventLog, read_events
 from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.rundir import RunDir
 from tenx.train.watchdog import EXIT_HANG
+from tenx.utils.cli import counted
 from tenx.utils.io import atomic_write_json
 
 EXIT_USAGE = 2
@@ -427,7 +428,7 @@ def format_supervision(report: SupervisorReport) -> str:
         )
     outcome = "finished" if report.finished else f"gave up: {report.gave_up}"
     # no wall time here: the goodput block printed after this one gives the run's (from its ledger)
-    lines.append(f"  {outcome} after {report.restarts} restart(s)")
+    lines.append(f"  {outcome} after {counted(report.restarts, 'restart')}")
     return "\n".join(lines)
 
 

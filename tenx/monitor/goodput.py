@@ -42,6 +42,7 @@ from typing import Any, TextIO
 from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.events import ends_mid_line, json_line, read_events
+from tenx.utils.cli import counted
 from tenx.utils.io import read_jsonl
 
 LEDGER_FILE = rundir.LEDGER
@@ -432,10 +433,10 @@ def format_goodput(report: dict[str, Any]) -> str:
     rows = [
         ("productive", report["productive_s"], ""),
         ("startup", report["startup_s"], ""),
-        ("restarts", report["restart_s"], f"{report['restarts']} restart(s)"),
-        ("recompute", report["recompute_s"], f"{report['recomputed_steps']} step(s) trained again"),
+        ("restarts", report["restart_s"], counted(report["restarts"], "restart")),
+        ("recompute", report["recompute_s"], f"{counted(report['recomputed_steps'], 'step')} trained again"),
         ("checkpoint", report["checkpoint_s"], "blocking saves"),
-        ("skipped", report["skipped_s"], f"{report['skipped_steps']} step(s) without an update"),
+        ("skipped", report["skipped_s"], f"{counted(report['skipped_steps'], 'step')} without an update"),
         ("other", report["other_s"], "eval, logging, steps cut off by a kill"),
     ]
     for name, seconds, note in rows:

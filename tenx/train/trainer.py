@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
-from tenx.hardware import host_to_device, peak_flops, resolve_precision
+from tenx.hardware import choose_threads, env_threads, host_to_device, peak_flops, resolve_precision
 from tenx.monitor.goodput import run_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
@@ -48,6 +48,8 @@ from tenx.train.step import StepHooks, take_step
 __all__ = ["Callback", "Trainer", "git_commit", "resolve_precision", "seed_everything"]
 
 _SIGUSR1 = getattr(signal, "SIGUSR1", None)
+THREADS_RECHECK_S = 30.0
+"""How often a run with auto threads looks again at what other programs keep busy (0.1 s each time)."""
 
 
 class _StopRequest:
@@ -101,6 +103,13 @@ class Trainer(TrainerState):
         self.optim_cfg = cfg.optim
         """The optimizer settings the steps follow: cfg.optim, with the budget's warmup when it re-plans."""
         self._peak_checked = float("-inf")  # when the peak was last measured again (`_raise_peak`)
+        self._auto_threads = (  # a lone CPU process choosing its threads: it follows other programs' load
+            self.device.type == "cpu"
+            and cfg.train.threads is None
+            and env_threads() is None
+            and self.world_size == 1
+        )
+        self._threads_checked = time.perf_counter()
         self.train_stream.on_bad_shard = self._on_bad_shard
         self.sync: Any = self.replicas if self.replicas is not None else LocalStep()
         """The cross-group part of each step (tenx.parallel.replicas)."""
@@ -213,6 +222,19 @@ class Trainer(TrainerState):
         if plan.warmup_steps is not None and plan.warmup_steps != self.optim_cfg.warmup_steps:
             self.optim_cfg = dataclasses.replace(self.cfg.optim, warmup_steps=plan.warmup_steps)
 
+    def _follow_load(self) -> None:
+        """With auto threads on a lone CPU process, every THREADS_RECHECK_S: as many torch threads as other
+        programs leave CPUs free (tenx.hardware.choose_threads), so a program that starts or stops during
+        the run neither halves it nor makes its threads wait on each other. Step records keep the count
+        (tenx replay runs each step on it); a change is a `threads-changed` event."""
+        if not self._auto_threads or time.perf_counter() - self._threads_checked < THREADS_RECHECK_S:
+            return
+        threads = choose_threads(quiet=True)
+        self._threads_checked = time.perf_counter()
+        if threads != torch.get_num_threads():
+            self.events.emit("threads-changed", self.step, before=torch.get_num_threads(), threads=threads)
+            torch.set_num_threads(threads)
+
     def _bad_step(
         self, verdict: str, loss: float, grad_norm: float, position: int, windows: list[int]
     ) -> None:
@@ -312,6 +334,7 @@ class Trainer(TrainerState):
                 if self._rollback_due:
                     self.rollback()
                 self._follow_budget()
+                self._follow_load()
                 self.watchdog.beat(self.step)
                 signum = self._stop_requested(stop.signum)
                 if signum and self.step < self.total_steps:

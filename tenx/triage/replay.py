@@ -119,6 +119,8 @@ class Replayer:
         self.target_step: int | None = None
         """The step `prepare` rebuilt the state for; `step_lr` is its recorded learning rate."""
         self.step_lr: float | None = None
+        self.step_threads: dict[int, int] = {}
+        """torch's CPU threads each step ran on, as recorded (a run with auto threads follows the load)."""
         prov = read_json_object(self.rundir.provenance)
         tc = self.cfg.train
         threads = tc.threads or int(prov.get("hardware", {}).get("torch_threads") or 0)
@@ -320,6 +322,9 @@ class Replayer:
         chain = self.timeline(step, before)
         self.target_step = step
         self.step_lr = _recorded_lr(record) if record is not None else None
+        self.step_threads = {s: r["threads"] for s, r in chain.items() if isinstance(r.get("threads"), int)}
+        if record is not None and isinstance(record.get("threads"), int):
+            self.step_threads[step] = record["threads"]
         if self.step_lr is None and chain:  # a step that crashed: the schedule as last recorded
             total = chain[max(chain)].get("total_steps")
             if isinstance(total, int) and total > 0:
@@ -408,6 +413,9 @@ class Replayer:
         returned as the outcome.
         """
         assert self.model is not None
+        threads = self.step_threads.get(step)
+        if threads is not None and self.device.type == "cpu" and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         result = take_step(
             step,
             [self._micro_batches(windows, rank) for rank in range(self.data_parallel)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import counted, subcommand
 
 
 def cmd_dashboard(args: argparse.Namespace) -> None:
@@ -21,7 +21,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
     path = write_report(args.run_dirs, args.output, force=args.force)
     size = path.stat().st_size / 2**20
-    print(f"wrote {path} ({len(args.run_dirs)} run(s), {size:.1f} MB; opens offline in any browser)")
+    print(f"wrote {path} ({counted(len(args.run_dirs), 'run')}, {size:.1f} MB; opens offline in any browser)")
 
 
 def _dashboard_arguments(p: argparse.ArgumentParser) -> None:

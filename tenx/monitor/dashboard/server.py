@@ -33,6 +33,7 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.dashboard.data import RunView, unique_names
 from tenx.monitor.dashboard.page import LIVE_CSP, dashboard_js, plotly_js, render_page
+from tenx.utils.cli import counted
 from tenx.utils.net import parse_bind
 
 DEFAULT_BIND = "127.0.0.1:8050"
@@ -259,7 +260,7 @@ def serve(run_dirs: Sequence[str | Path], bind: str = DEFAULT_BIND, refresh_s: f
             "reach this port can read these runs' metrics and files (read-only); docs/security.md",
             file=sys.stderr,
         )
-    print(f"dashboard of {len(server.views)} run(s): {server.url}  (Ctrl-C stops it)", flush=True)
+    print(f"dashboard of {counted(len(server.views), 'run')}: {server.url}  (Ctrl-C stops it)", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

@@ -40,6 +40,7 @@ from tenx.scaling.curve.curve_laws import (
 )
 from tenx.scaling.curve.schedule import PARAMS_UNIT, PROGRESS_UNIT, Curve
 from tenx.scaling.fit.solver import with_serial_blas
+from tenx.utils.cli import counted
 
 SAMPLES_PER_WINDOW = 5
 MAX_EVALUATIONS = 400
@@ -384,7 +385,7 @@ def fit_curves(
         raise ConfigError(
             f"curve law {law} ({size_law} sizes) has {unpinned} free parameters and needs at least "
             f"{unpinned + 2} smoothed points (windows of 2 or more records after warmup); the "
-            f"{len(curves)} curve(s) give {points}: add records or curves, or fix parameters"
+            f"{counted(len(curves), 'curve')} give {points}: add records or curves, or fix parameters"
         )
     centre = np.array([soft.get(n, (0.0, math.inf))[0] for n in problem.names])
     sd = np.array([soft.get(n, (0.0, math.inf))[1] for n in problem.names], dtype=float)

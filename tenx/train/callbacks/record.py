@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import xxhash
 
 from tenx.monitor.events import append_line, json_line
@@ -85,6 +86,7 @@ class StepRecord(Callback):
             "skipped": metrics.get("skipped"),
             "lr": metrics.get("lr"),
             "total_steps": trainer.total_steps,
+            "threads": torch.get_num_threads(),  # a matmul's blocking, so its bits, may depend on it
             "position": flight.get("position"),
             "windows": flight.get("all"),
             "skips": len(trainer.data_skips),
