@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (pyproject's addopts: a worker per core), each worker and what it starts gets its share
+# of the cores: threads of two workers sharing a core wait on each other (3x slower, not 2x).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 from tenx.data.prepare.pipeline import PrepareConfig, prepare  # noqa: E402
 from tenx.data.prepare.sources import stdlib_dir  # noqa: E402

@@ -53,7 +53,7 @@ Default run and slow run
 One test per page, named after it; a failure names the page, the block's line and the command, with the
 tail of its output. Every page writes WORK/.docs-test/report.txt (pass, skip or xfail, line and seconds of
 each command) beside each command's stdout and stderr. The pages in SLOW (time on 2 CPU cores beside each,
-about 14 minutes together) run only with `-m slow`; the others run in the default `python -m pytest -q`:
+about 15 minutes together) run only with `-m slow`; the others run in the default `python -m pytest -q`:
 about 2 minutes together on 2 CPU cores.
 """
 
@@ -89,6 +89,9 @@ SLOW = {
     "docs/monitoring.md": "130 s: a quickstart-sized ladder, a watched run, statistics, two dashboards",
     "docs/triage.md": "150 s: the triage drill (a supervised run with 10 crashes, then 26 incidents triaged)",
     "docs/plan.md": "30 s: GEMM shapes timed, a measured calibration, a scaling-law fit and the run it chooses",
+    "docs/export.md": "30 s: a run exported to transformers, loaded back and compared",
+    "docs/distributed.md": "21 s: torchrun DDP and FSDP2 runs",
+    "docs/consistency.md": "15 s: the bitflip drill under torchrun",
 }
 
 # Appended to every matching command on every page: (program prefix, required word, args, why).

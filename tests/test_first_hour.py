@@ -103,7 +103,7 @@ def test_reprepare_removes_only_files_the_previous_manifest_listed(corpus_dir, t
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])  # the same path
 def test_a_signal_during_training_saves_a_checkpoint_that_resumes_exactly(tiny_data, tmp_path, sig):
     import os
     import signal

@@ -475,6 +475,7 @@ def test_leave_largest_size_out_scores_the_largest_size_only(tmp_path):
         leave_largest_size_out(table, score_tokens_per_param=200)
 
 
+@pytest.mark.slow  # 24 s of fits
 def test_inner_cv_chooses_the_default_on_the_small_runs_alone():
     cv = inner_cv()
     # fit 10.6M to 154M, score the 411M runs at 20+ tokens per parameter: the 1x to 32x runs

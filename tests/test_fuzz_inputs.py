@@ -60,9 +60,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SEED = 14_2026
-DATA_CASES = 1_000
+DATA_CASES = 400
 """Mutated data directories in the default run (each: `train`, `eval` or `sample`, then the readers)."""
-CONFIG_CASES = 2_000
+CONFIG_CASES = 1_000
 """Mutated config files and overrides in the default run (each: `train`)."""
 SLOW_DATA_CASES, SLOW_CONFIG_CASES = 10_000, 20_000
 """The slow run (`-m slow`): the default cases and more."""

@@ -219,6 +219,7 @@ def _report(mode: str, run_dir: Path, heals: list[dict]) -> float:
 
 
 # ----- the acceptance drills --------------------------------------------------------------------------
+@pytest.mark.slow  # 31 s; the sync group's drill (the same healing path) runs by default
 @pytest.mark.timeout(240)
 def test_diloco_group_killed_mid_run_heals_and_groups_end_identical(tiny_data, tmp_path):
     h = 10
