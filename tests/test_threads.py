@@ -337,9 +337,7 @@ def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_thread
     _contention(monkeypatch, 2, 1.0)
     monkeypatch.setattr(trainer_module, "THREADS_RECHECK_S", 0.0)
     steps_done = []
-    monkeypatch.setattr(
-        trainer_module, "choose_threads", lambda quiet=False: 1 if len(steps_done) < 3 else 2
-    )
+    monkeypatch.setattr(trainer_module, "choose_threads", lambda quiet=False: 1 if len(steps_done) < 3 else 2)
 
     class Count(Callback):
         name = "count"
