@@ -298,6 +298,35 @@ def test_replay_refuses_what_it_cannot_do(clean, tmp_path):
         replay(clean, 3, repeat=0)
 
 
+def test_replay_refuses_a_run_whose_config_or_data_changed(clean, tiny_data, tiny_config, tmp_path):
+    """An edited config.toml or re-prepared data would make a healthy step `does-not-reproduce` (the
+    verdict of a transient hardware fault): replay refuses, naming what changed."""
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(clean, edited)
+    config = RunDir(edited).config
+    config.write_text(config.read_text().replace("depth = 2", "depth = 3"))
+    with pytest.raises(TenxError, match=r"model.depth is 3 in config.toml but the run trained with 2"):
+        replay(edited, 7)
+    moved = tmp_path / "moved"
+    shutil.copytree(clean, moved)
+    other = tmp_path / "other-data"
+    shutil.copytree(tiny_data, other)
+    from tenx.data.prepare.pipeline import PrepareConfig, prepare
+    from tenx.data.prepare.sources import copy_stdlib_packages
+
+    corpus = copy_stdlib_packages(("json",), tmp_path / "corpus")
+    shutil.rmtree(other)
+    prepare(
+        PrepareConfig(source=str(corpus), out=str(other), tokenizer="bytes", val_ratio=0.1), progress=False
+    )
+    config = RunDir(moved).config
+    config.write_text(config.read_text().replace(str(tiny_data), str(other)))
+    with pytest.raises(TenxError, match=r"the data in .* changed since the run trained on it"):
+        replay(moved, 7)
+
+
 def test_checksum_evidence_names_the_rank_and_the_shard(tmp_path):
     """A replica mismatch is hardware on the rank the consistency check named; a shard that fails its
     checksum is data naming the shard; each is one cause, however many times it was seen."""

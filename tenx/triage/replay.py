@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tenx import checkpoint as ckpt
+from tenx import config as cfglib
 from tenx import rundir as rd
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.errors import CheckpointError, DataError, TenxError
@@ -148,6 +149,7 @@ class Replayer:
         )
         self.model_cfg = shape.model_cfg
         self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
+        self._check_unchanged(prov)
         self.bitwise = not reference and (
             self.data_parallel <= 2 and self.strategy in ("none", "ddp", "single")
         )
@@ -169,6 +171,36 @@ class Replayer:
         self.records = [self._checked(i, r) for i, r in enumerate(read_steps(self.rundir.steps))]
         self.model: Transformer | None = None
         self.guard = StepGuard(self.cfg.guard)
+
+    def _check_unchanged(self, prov: dict[str, Any]) -> None:
+        """Refuse a run whose config.toml or data changed since it ran (run.json says what it trained with):
+        replaying another model or other data would call a healthy step `does-not-reproduce`, the verdict
+        of a transient hardware fault."""
+        ran_model, now_model = prov.get("model"), cfglib.to_dict(self.model_cfg)
+        if isinstance(ran_model, dict):
+            changed = [
+                k for k in sorted(set(ran_model) | set(now_model)) if ran_model.get(k) != now_model.get(k)
+            ]
+            if changed:
+                k = changed[0]
+                raise TenxError(
+                    f"cannot replay {self.rundir.root}: model.{k} is {now_model.get(k)!r} in {rd.CONFIG} but the "
+                    f"run trained with {ran_model.get(k)!r} ({rd.PROVENANCE}): the config changed since it ran; "
+                    "restore the config it trained with"
+                )
+        ran_data = prov.get("data")
+        if isinstance(ran_data, dict):
+            ran_tokenizer = (ran_data.get("tokenizer") or {}).get("xxhash")
+            now_tokenizer = self.stream.manifest["tokenizer"].get("xxhash")
+            ran_tokens = ran_data.get("train_tokens")
+            if ran_tokenizer != now_tokenizer or (
+                isinstance(ran_tokens, int) and ran_tokens != len(self.stream)
+            ):
+                raise TenxError(
+                    f"cannot replay {self.rundir.root}: the data in {self.cfg.data.dir} changed since the run "
+                    f"trained on it ({ran_tokens} training tokens, tokenizer {ran_tokenizer}; now {len(self.stream)}, "
+                    f"{now_tokenizer}): prepare it again as it was, or point data.dir at the data it trained on"
+                )
 
     def _checked(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
         """A step record whose fields have the types and ranges replay relies on; else TenxError naming it."""
