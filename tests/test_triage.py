@@ -296,6 +296,8 @@ def test_replay_refuses_what_it_cannot_do(clean, tmp_path):
         replay(tmp_path, 3)
     with pytest.raises(TenxError, match="--repeat"):
         replay(clean, 3, repeat=0)
+    with pytest.raises(TenxError, match=r"--step must be >= 1 \(steps are counted from 1\), got -3"):
+        replay(clean, -3)
 
 
 def test_replay_refuses_a_run_whose_config_or_data_changed(clean, tiny_data, tiny_config, tmp_path):

@@ -570,6 +570,8 @@ def replay(
     t0 = time.perf_counter()
     if repeat < 1:
         raise TenxError(f"--repeat must be >= 1, got {repeat}")
+    if step < 1:
+        raise TenxError(f"--step must be >= 1 (steps are counted from 1), got {step}")
     replayer = Replayer(run_dir)
     try:
         recorded, windows, source, first_divergent = replayer.prepare(step, at_time, recorded)
