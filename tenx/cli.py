@@ -9,6 +9,7 @@ from its fields (tenx.config.add_config_arguments), so their defaults, help and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tenx.compress import cli as compress_cli
@@ -51,12 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at /dev/null, so the flush at exit does not hit the closed pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file: nothing is flushed to a descriptor at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tenx` command."""
+    """Entry point of the `tenx` command.
+
+    A reader that closes stdout early (`tenx status RUN_DIR | head -1`) ends the command quietly with exit
+    status 141, what a Unix tool killed by SIGPIPE reports (128 + 13): the reader took what it wanted, and
+    `set -o pipefail` still sees that the output was cut short."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the flush at exit (where it cannot be caught)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 141
     except TenxError as e:
         print(f"tenx: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
+from tenx.errors import DataError
 from tenx.utils.io import fsync_dir, read_jsonl
 
 
@@ -94,6 +95,45 @@ class EventLog:
         return json.loads(line)
 
 
+def require_file(path: Path, what: str) -> None:
+    """A DataError naming `path` when it exists but is not a regular file (a directory in a file's place)."""
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise DataError(
+            f"{path} is {kind}, not {what}; move it out of the way (tenx writes this file itself)"
+        )
+
+
+def event_problem(record: dict[str, Any]) -> str | None:
+    """Why `record` is not an event tenx can use (its time not a finite number, its kind not a string, its
+    step neither a whole number nor null), or None when it is one."""
+    when = record.get("time")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        return f"time {when!r} is not a finite number"
+    if not isinstance(record.get("kind"), str):
+        return f"kind {record.get('kind')!r} is not a string"
+    step = record.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return f"step {step!r} is not a whole number"
+    return None
+
+
+def read_events_counted(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """(the run's usable events, oldest first; how many JSON objects were passed over because a field had the
+    wrong type, see event_problem). Torn lines and lines that are not JSON objects are passed over uncounted:
+    a killed writer leaves them. A directory where events.jsonl belongs is a DataError naming it."""
+    path = rundir.RunDir(run_dir).events
+    require_file(path, "the run's event log")
+    events, malformed = [], 0
+    for record in read_jsonl(path, torn="any", missing_ok=True):
+        if event_problem(record) is None:
+            events.append(record)
+        else:
+            malformed += 1
+    return events, malformed
+
+
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All events of a run, oldest first ([] when there are none; a torn line is ignored)."""
-    return read_jsonl(rundir.RunDir(run_dir).events, torn="any", missing_ok=True)
+    """All usable events of a run, oldest first ([] when there are none; a torn line, a line that is not a
+    JSON object and an event with a malformed time, kind or step are passed over: read_events_counted)."""
+    return read_events_counted(run_dir)[0]

@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.monitor.events import ends_mid_line, json_line, read_events
+from tenx.monitor.events import ends_mid_line, json_line, read_events_counted, require_file
 from tenx.utils.cli import counted
 from tenx.utils.io import read_jsonl
 
@@ -169,7 +169,9 @@ class Ledger:
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     """The ledger's records in file order; torn or malformed lines are skipped, a missing ledger is []."""
     records = []
-    for record in read_jsonl(rundir.RunDir(run_dir).ledger, torn="any", missing_ok=True):
+    path = rundir.RunDir(run_dir).ledger
+    require_file(path, "the run's goodput ledger")
+    for record in read_jsonl(path, torn="any", missing_ok=True):
         kind = record.get("kind")
         if not isinstance(kind, str) or not isinstance(record.get("time"), (int, float)):
             continue
@@ -458,7 +460,10 @@ def _number(value: Any) -> str:
 
 
 def _event_line(event: dict[str, Any]) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(event.get("time") or 0)))
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(event.get("time") or 0)))
+    except (OverflowError, OSError, ValueError, TypeError):  # a finite time past what the platform dates
+        when = f"time {event.get('time')!r}"
     step = f" step {event['step']}" if event.get("step") is not None else ""
     extra = " ".join(
         f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
@@ -478,7 +483,11 @@ def _prequential_lines(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str
     if isinstance(done, dict) and isinstance(done.get("bits_per_byte"), (int, float)):
         text = f"prequential {_number(done['bits_per_byte'])} bits per byte of the training stream"
         same = done.get("same_bytes")
-        if isinstance(same, dict) and isinstance(same.get("xz_bits_per_byte"), (int, float)):
+        if (
+            isinstance(same, dict)
+            and isinstance(same.get("xz_bits_per_byte"), (int, float))
+            and isinstance(same.get("bytes", 0), int)
+        ):
             text += (
                 f"; on its first {same.get('bytes', 0):,} bytes {_number(same.get('model_bits_per_byte'))}"
                 f" vs xz -9e {_number(same['xz_bits_per_byte'])}"
@@ -497,16 +506,19 @@ def format_status(run_dir: str | Path, events_shown: int | None = 5) -> str:
     event kind and the last `events_shown` events (None: every one)."""
     run_dir = Path(run_dir)
     run = rundir.RunDir(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TenxError(f"{run_dir} is a file, not a run directory (pass a `tenx train` run's --run-dir)")
     if not run_dir.is_dir():
         raise TenxError(f"run directory {run_dir} does not exist (pass the --run-dir of a `tenx train` run)")
     from tenx.checkpoint import latest_verified, list_checkpoints
 
     report = compute_goodput(run_dir)
     metrics: list[dict[str, Any]] = []
-    if run.metrics.is_file():
-        from tenx.monitor.metrics_file import read_metrics
+    metrics_skipped = 0
+    if run.metrics.exists():  # a directory in its place is an error naming it
+        from tenx.monitor.metrics_file import read_metrics_counted
 
-        metrics = read_metrics(run.metrics)
+        metrics, metrics_skipped = read_metrics_counted(run.metrics)
     total = None
     try:
         total = json.loads(run.provenance.read_text()).get("total_steps")
@@ -545,7 +557,7 @@ def format_status(run_dir: str | Path, events_shown: int | None = 5) -> str:
         if validated is not None:
             text += f" | val_loss {_number(validated['val_loss'])} (step {validated.get('step')})"
         lines.append(f"metrics     {text}")
-        watched = next((r for r in reversed(metrics) if "pred_dev" in r), None)
+        watched = next((r for r in reversed(metrics) if isinstance(r.get("pred_dev"), (int, float))), None)
         if watched is not None:
             lines.append(
                 f"prediction  step {watched.get('step')}: {_number(watched.get('pred_actual'))} vs predicted "
@@ -561,10 +573,14 @@ def format_status(run_dir: str | Path, events_shown: int | None = 5) -> str:
             lines.append(f"            {text}")
     else:
         lines.append("metrics     none yet (no metrics.jsonl)")
+    if metrics_skipped:
+        lines.append(
+            f"            {counted(metrics_skipped, 'line')} of {run.metrics} passed over: not step records"
+        )
 
     lines.append(format_goodput(report))
 
-    events = read_events(run_dir)
+    events, events_skipped = read_events_counted(run_dir)
     if events:
         counts: dict[str, int] = {}
         for event in events:
@@ -577,4 +593,8 @@ def format_status(run_dir: str | Path, events_shown: int | None = 5) -> str:
         lines += [_event_line(event) for event in shown]
     else:
         lines.append("events      none")
+    if events_skipped:
+        lines.append(
+            f"            {counted(events_skipped, 'event')} of {run.events} passed over: a field's type"
+        )
     return "\n".join(lines)
