@@ -5,8 +5,7 @@ timeline (its loader position matches the step record of its step; before the fi
 seeded initialisation, built by the trainer's own builder), then steps are re-executed deterministically
 on the data positions recorded in RUN_DIR/steps.jsonl, with the guard's recorded decisions (a step the run
 skipped is skipped again). A step is executed by the trainer's own step function (tenx/train/step.py), so
-the two cannot drift apart. Step N
-is then run `repeat` times from that same state and each outcome (loss and gradient norm bits, digest,
+the two cannot drift apart. Step N is then run `repeat` times from that same state and each outcome (loss and gradient norm bits, digest,
 or the exception and its innermost frame) is compared with the record:
 
 - `reproduces`: every repeat equals the record bit for bit (deterministic: an ML or data cause, or a
@@ -120,8 +119,7 @@ class Replayer:
         self.target_step: int | None = None
         """The step `prepare` rebuilt the state for; `step_lr` is its recorded learning rate."""
         self.step_lr: float | None = None
-        self.step_threads: dict[int, int] = {}
-        """torch's CPU threads each step ran on, as recorded (a run with auto threads follows the load)."""
+        self.step_threads: dict[int, int] = {}  # torch's CPU threads each step ran on, as recorded
         prov = read_json_object(self.rundir.provenance)
         tc = self.cfg.train
         threads = tc.threads or int(prov.get("hardware", {}).get("torch_threads") or 0)
@@ -173,34 +171,22 @@ class Replayer:
         self.guard = StepGuard(self.cfg.guard)
 
     def _check_unchanged(self, prov: dict[str, Any]) -> None:
-        """Refuse a run whose config.toml or data changed since it ran (run.json says what it trained with):
-        replaying another model or other data would call a healthy step `does-not-reproduce`, the verdict
-        of a transient hardware fault."""
-        ran_model, now_model = prov.get("model"), cfglib.to_dict(self.model_cfg)
-        if isinstance(ran_model, dict):
-            changed = [
-                k for k in sorted(set(ran_model) | set(now_model)) if ran_model.get(k) != now_model.get(k)
-            ]
-            if changed:
-                k = changed[0]
-                raise TenxError(
-                    f"cannot replay {self.rundir.root}: model.{k} is {now_model.get(k)!r} in {rd.CONFIG} but the "
-                    f"run trained with {ran_model.get(k)!r} ({rd.PROVENANCE}): the config changed since it ran; "
-                    "restore the config it trained with"
-                )
-        ran_data = prov.get("data")
-        if isinstance(ran_data, dict):
-            ran_tokenizer = (ran_data.get("tokenizer") or {}).get("xxhash")
-            now_tokenizer = self.stream.manifest["tokenizer"].get("xxhash")
-            ran_tokens = ran_data.get("train_tokens")
-            if ran_tokenizer != now_tokenizer or (
-                isinstance(ran_tokens, int) and ran_tokens != len(self.stream)
-            ):
-                raise TenxError(
-                    f"cannot replay {self.rundir.root}: the data in {self.cfg.data.dir} changed since the run "
-                    f"trained on it ({ran_tokens} training tokens, tokenizer {ran_tokenizer}; now {len(self.stream)}, "
-                    f"{now_tokenizer}): prepare it again as it was, or point data.dir at the data it trained on"
-                )
+        """Refuse a run whose model config or data changed since it ran (run.json): replaying another model
+        or other data would call a healthy step `does-not-reproduce`, a transient hardware fault's verdict."""
+        ran, now = prov.get("model") or {}, cfglib.to_dict(self.model_cfg)
+        for k in [k for k in sorted(set(ran) | set(now)) if ran and ran.get(k) != now.get(k)][:1]:
+            raise TenxError(
+                f"cannot replay {self.rundir.root}: model.{k} is {now.get(k)!r} in {rd.CONFIG} but the run "
+                f"trained with {ran.get(k)!r} ({rd.PROVENANCE}): restore the config it trained with"
+            )
+        data = prov.get("data") or {}
+        was = ((data.get("tokenizer") or {}).get("xxhash"), data.get("train_tokens", len(self.stream)))
+        if data and was != (self.stream.manifest["tokenizer"].get("xxhash"), len(self.stream)):
+            raise TenxError(
+                f"cannot replay {self.rundir.root}: the data in {self.cfg.data.dir} changed since the run "
+                f"trained on it (tokenizer, training tokens: {was}, now {len(self.stream)}): prepare it again "
+                "as it was, or point data.dir at the data it trained on"
+            )
 
     def _checked(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
         """A step record whose fields have the types and ranges replay relies on; else TenxError naming it."""
