@@ -65,7 +65,9 @@ def run_quickstart(
 ) -> dict[str, Any]:
     """One `tenx quickstart` into `out` (a fresh copy of `data` in out/data); with `hog_s`, the competitor
     starts when the probe does. Returns the run's figures."""
-    if out.exists():
+    if out.exists():  # a run this bench wrote before (its summary or its copy of the data), else refused
+        if any(out.iterdir()) and not ((out / "summary.json").is_file() or (out / "data").is_dir()):
+            raise SystemExit(f"{out} exists and was not written by this bench; choose another --out")
         shutil.rmtree(out)
     shutil.copytree(data, out / "data")
     cache = out / "cache"  # an empty peak-FLOP/s cache: the peak is measured during this run

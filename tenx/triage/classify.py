@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tenx import rundir as rd
 from tenx.errors import TenxError
 from tenx.model.transformer import lm_loss
 from tenx.rundir import RunDir
@@ -225,8 +225,12 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
             + f"; {diverged}{seen}, inputs no healthy run produces: the math itself (learning rate, "
             "warmup, clipping, init)"
         )
-        if first is not None and report.repro:
-            shutil.rmtree(Path(report.repro).parent, ignore_errors=True)
+        if first is not None and report.repro:  # no reproduction of an innocent op: only what bisect wrote
+            folder = Path(report.repro).parent
+            for name in (rd.REPRO_SCRIPT, rd.REPRO_META, rd.REPRO_INPUTS):
+                (folder / name).unlink(missing_ok=True)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         return Verdict("ml", 0.8, evidence, {"verdict": "ml", "config": incident.config_hash})
     unjudged = (
         f" ({', '.join(sorted(report.ill_conditioned))} not judged: their inputs leave the exact result "
