@@ -3,6 +3,8 @@ damaged file."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -159,6 +161,49 @@ def test_truncated_or_corrupt_files_are_refused(blob, codec):
         damaged[at] ^= 0x10
         with pytest.raises(TenxError, match="corrupt|not a tenx|version"):
             decompress_bytes(codec, bytes(damaged))
+
+
+def _forged(blob: bytes, tokens: int, body: bytes) -> bytes:
+    """`blob` with a header rewritten to claim `tokens` tokens (and as many bytes) over `body`, its
+    checksums recomputed as anyone can."""
+    header = read_header(blob)
+    header.tokens = header.length = tokens
+    header.words, header.code_hash = len(body) // 4, codec_mod._digest(body)
+    return header.pack() + body
+
+
+@pytest.mark.parametrize("tokens", [1 << 30, 7_000_000, 200_000, 5_000, 300])
+@pytest.mark.parametrize(
+    "body", [b"\0" * 4, b"\xff" * 4, bytes(RNG.integers(0, 256, 4, dtype=np.uint8)), b"\x5a" * 8]
+)
+def test_a_forged_header_is_refused_in_under_a_second(blob, codec, tokens, body):
+    """A header that claims far more tokens than its body can hold (the checksums are recomputable) is
+    refused before decoding, or decoding stops once the body's information is spent."""
+    forged = _forged(blob, tokens, body)
+    started = time.perf_counter()
+    with pytest.raises(TenxError, match="corrupt or forged|do not match the original") as caught:
+        decompress_bytes(codec, forged, max_bytes=1 << 31)
+    assert time.perf_counter() - started < 1.0, caught.value
+    if tokens >= 1 << 30:
+        assert "claims 1,073,741,824 tokens" in str(caught.value)
+
+
+def test_the_bound_holds_for_tokens_as_likely_as_the_coder_allows(codec, monkeypatch):
+    """The information bound never refuses a real file: tokens the model gives the largest probability the
+    coder can code (50,000 of them in one 32-bit word) still round-trip."""
+    real = codec_mod._frequencies
+    z = int(codec.byte_ids[ord("z")])
+
+    def certain(logits, vocab, eot):
+        freqs = real(logits, vocab, eot)
+        freqs[:, z] += 2.0**40
+        return freqs
+
+    monkeypatch.setattr(codec_mod, "_frequencies", certain)
+    for data in (b"z" * 50_000, b"z" * 3000 + b"a" + b"z" * 3000):
+        packed = compress_bytes(codec, data)
+        assert read_header(packed).words <= 2
+        assert decompress_bytes(codec, packed) == data
 
 
 def test_a_claimed_original_above_the_limit_is_refused(blob, codec):
