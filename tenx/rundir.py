@@ -22,6 +22,7 @@ RUN_DIR/
   prediction.png       its plot
   extrapolation/       prediction.json and .png of `tenx predict --run` (the run from its own curve)
   stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
+  writer.lock          held by the one process writing the run (tenx.utils.lock): who, since when
   tensorboard/         TensorBoard scalars
   checkpoints/         step_XXXXXXXX/ checkpoints (tenx.checkpoint)
 ```
@@ -57,10 +58,25 @@ EXTRAPOLATION = "extrapolation"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
 STACKS = "stacks-pid"
+WRITER_LOCK = "writer.lock"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 """A published checkpoint's directory name."""
 STEP_GLOB = "step_" + "[0-9]" * 8
 """STEP_DIR as a glob (with a prefix and a suffix, it finds the leftovers of an interrupted save)."""
+
+
+def written_by_tenx(name: str) -> bool:
+    """Whether an entry named `name` at the top of a run directory is one tenx writes: a name above, the
+    incident store's SQLite side files, a stack dump, or the temporary of an atomic write of one of them
+    (`.NAME.*`, and the write probe `.tenx-write-check.*`)."""
+    ours = {
+        CONFIG, PROVENANCE, RUN_ID, METRICS, EVENTS, STEPS, PREQUENTIAL, INCIDENTS_DB, INCIDENTS, LEDGER,
+        DATA_SKIPS, EVAL, LOSS_CURVE, PREDICTION, PREDICTION_PNG, EXTRAPOLATION, TENSORBOARD, CHECKPOINTS,
+        WRITER_LOCK,
+    }  # fmt: skip
+    if name in ours or name.startswith((STACKS, f"{INCIDENTS_DB}-", ".tenx-write-check.")):
+        return True
+    return name.startswith(".") and any(name.startswith(f".{own}.") for own in ours)
 
 
 def step_dir_name(step: int) -> str:
@@ -163,6 +179,11 @@ class RunDir:
     def checkpoint(self, step: int) -> Path:
         """The directory of the checkpoint of `step` (whether or not it exists)."""
         return self.checkpoints / step_dir_name(step)
+
+    @property
+    def writer_lock(self) -> Path:
+        """The lock the one process writing the run holds (tenx.utils.lock.exclusive_writer)."""
+        return self.root / WRITER_LOCK
 
     def stacks(self, pid: int) -> Path:
         """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""

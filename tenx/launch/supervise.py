@@ -45,6 +45,7 @@ from tenx.rundir import RunDir
 from tenx.train.watchdog import EXIT_HANG
 from tenx.utils.cli import counted
 from tenx.utils.io import atomic_write_json
+from tenx.utils.lock import exclusive_writer, holder_environment
 
 EXIT_USAGE = 2
 """Exit status of a run that stopped with an error restarting cannot fix."""
@@ -248,13 +249,26 @@ def supervise(
     """
     cfg = cfg or SupervisorConfig()
     cfg.validate()
-    max_restarts, same_failure_limit = cfg.max_restarts, cfg.same_failure_limit
     launcher = shlex.split(cfg.launcher) or None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDir(run_dir).writer_lock
+    with exclusive_writer(lock, "run directory"):  # its children write under it
+        env = {**(os.environ if env is None else env), SUPERVISED_ENV: "1", **holder_environment(lock)}
+        return _supervise(train_args, run_dir, cfg, launcher, resume, env)
+
+
+def _supervise(
+    train_args: list[str],
+    run_dir: Path,
+    cfg: SupervisorConfig,
+    launcher: list[str] | None,
+    resume: str | None,
+    env: dict[str, str],
+) -> SupervisorReport:
+    max_restarts, same_failure_limit = cfg.max_restarts, cfg.same_failure_limit
     events, ledger = EventLog(run_dir), Ledger(run_dir)
     prefix = launcher or [sys.executable, "-m", "tenx"]
-    env = {**(os.environ if env is None else env), SUPERVISED_ENV: "1"}
     spares = _Spares(cfg.warm_spare and launcher is None, env)
     report = SupervisorReport()
     t0 = time.monotonic()

@@ -42,6 +42,7 @@ from tenx.scaling.rungs import (
 from tenx.train.config import RunConfig, load_run_config
 from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir, read_jsonl
+from tenx.utils.lock import exclusive_writer
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -220,6 +221,25 @@ def resume_hint(command: str = "") -> str:
     return "the same `tenx ladder` (or `tenx derisk`) command: it skips finished runs and resumes this one"
 
 
+def _clear_unfinished(run_dir: Path) -> None:
+    """Delete what a ladder run that stopped before its first checkpoint wrote into `run_dir`, so it starts
+    over cleanly; a TenxError, deleting nothing, when the directory holds anything tenx does not write."""
+    foreign = sorted(p.name for p in run_dir.iterdir() if not rundir.written_by_tenx(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise TenxError(
+            f"{run_dir} holds files tenx did not write ({shown}); the ladder starts this run over there and "
+            "never deletes what it did not write: move them elsewhere, or use another ladder directory"
+        )
+    for entry in run_dir.iterdir():
+        if entry.name == rundir.WRITER_LOCK:
+            continue  # held now
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def run_one(
     run: PlannedRun,
     ladder_dir: str | Path,
@@ -259,16 +279,17 @@ def run_one(
     latest, _ = ckpt.latest_verified(rd.checkpoints)
     trained = latest is not None and ckpt.read_checkpoint_meta(latest)["step"] >= run.steps
     if not trained:
-        resume = "auto" if ckpt.list_checkpoints(rd.checkpoints) else None
-        if resume is None and run_dir.exists():
-            shutil.rmtree(run_dir)  # a run that crashed before its first checkpoint starts over cleanly
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(config_path, text)
-        extra = list(callbacks or [])
-        if progress_every_s is not None:
-            extra.append(LadderProgress(label or run.name, progress_every_s))
-        mark_run_start()  # this run's start-up in its ledger begins here, not when the process began
-        train(run.config, run_dir, resume=resume, extra_callbacks=extra, resume_hint=resume_hint(command))
+        with exclusive_writer(rd.writer_lock, "ladder run directory"):
+            resume = "auto" if ckpt.list_checkpoints(rd.checkpoints) else None
+            if resume is None:
+                _clear_unfinished(run_dir)  # a run that crashed before its first checkpoint starts over
+            atomic_write_text(config_path, text)
+            extra = list(callbacks or [])
+            if progress_every_s is not None:
+                extra.append(LadderProgress(label or run.name, progress_every_s))
+            mark_run_start()  # this run's start-up in its ledger begins here, not when the process began
+            train(run.config, run_dir, resume=resume, extra_callbacks=extra, resume_hint=resume_hint(command))
     train_s = time.perf_counter() - t0
     metrics = read_jsonl(rd.metrics)
     plot_loss_curve(rd.metrics, rd.loss_curve, run.name)

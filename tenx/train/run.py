@@ -12,7 +12,7 @@ from tenx import rundir
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
 from tenx.hardware import pick_device
-from tenx.parallel.distributed import dist_env, init_distributed, rank_device, shutdown_distributed
+from tenx.parallel.distributed import DistEnv, dist_env, init_distributed, rank_device, shutdown_distributed
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector
@@ -24,6 +24,7 @@ from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
 from tenx.utils.io import describe_storage_problem, ensure_writable
+from tenx.utils.lock import exclusive_writer
 
 
 def default_callbacks(
@@ -72,14 +73,28 @@ def train(
     """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path.
     `resume_hint`: what a stop signal's message says continues the run (default `--resume auto`)."""
     run_dir = Path(run_dir)
+    ensure_writable(run_dir, "run directory")
+    env = dist_env()
+    if env.rank != 0:  # rank 0 holds the run's lock (one writer per run directory) for the job
+        return _train(cfg, run_dir, env, resume, extra_callbacks, resume_hint)
+    with exclusive_writer(rundir.RunDir(run_dir).writer_lock, "run directory"):
+        return _train(cfg, run_dir, env, resume, extra_callbacks, resume_hint)
+
+
+def _train(
+    cfg: RunConfig,
+    run_dir: Path,
+    env: DistEnv,
+    resume: str | None,
+    extra_callbacks: list[Callback] | None,
+    resume_hint: str | None,
+) -> tuple[Trainer, dict[str, Any]]:
     checkpoints = rundir.RunDir(run_dir).checkpoints
     if resume is None and ckpt.list_checkpoints(checkpoints):
         raise TenxError(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
         )
-    ensure_writable(run_dir, "run directory")
-    env = dist_env()
     owns_group = init_distributed(
         env, rank_device(pick_device(cfg.train.device, "train.device"), env), cfg.parallel
     )
