@@ -11,6 +11,7 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.scaling.rungs import PlannedRun
 from tenx.utils.io import atomic_write_text
+from tenx.utils.scripts import sbatch_value
 
 
 def emit_launch(
@@ -27,6 +28,9 @@ def emit_launch(
     runs, evaluates them and writes results.jsonl.
     """
     ladder_dir = Path(ladder_dir)
+    for value, flag in ((nproc, "--nproc"), (nodes, "--nodes")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TenxError(f"{flag} must be an integer >= 1, got {value!r}")
     ranks = nproc * nodes
     runs = []
     for run in plan:
@@ -56,7 +60,7 @@ def emit_launch(
             f"# {len(runs)} ladder runs, one after another on this node; rerunning resumes or skips them.",
             "set -euo pipefail",
             f"cd {cwd}",
-            f'NPROC="${{NPROC_PER_NODE:-{nproc}}}"',
+            f'NPROC="${{NPROC_PER_NODE:-{int(nproc)}}}"',
         ]
         lines += [f'torchrun --standalone --nproc_per_node "$NPROC" {args}' for _, _, args in runs]
         lines += ["# evaluate the finished runs and write results.jsonl", collect]
@@ -69,15 +73,15 @@ def emit_launch(
         text = "\n".join(
             [
                 "#!/bin/bash",
-                f"#SBATCH --job-name=tenx-{run.name}",
-                f"#SBATCH --nodes={nodes}",
+                f"#SBATCH --job-name=tenx-{sbatch_value(run.name, 'run name')}",
+                f"#SBATCH --nodes={sbatch_value(nodes, '--nodes')}",
                 "#SBATCH --ntasks-per-node=1",
-                f"#SBATCH --gpus-per-node={nproc}",
-                f"#SBATCH --output={run_dir}/slurm-%j.out",
+                f"#SBATCH --gpus-per-node={sbatch_value(nproc, '--nproc')}",
+                f"#SBATCH --output={sbatch_value(run_dir.absolute(), '--out')}/slurm-%j.out",
                 "set -euo pipefail",
                 f"cd {cwd}",
                 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {nproc} --rdzv_id "$SLURM_JOB_ID" '
+                f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {int(nproc)} --rdzv_id "$SLURM_JOB_ID" '
                 f'--rdzv_backend c10d --rdzv_endpoint "$head:29500" {args}',
             ]
         )

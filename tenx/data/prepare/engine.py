@@ -396,6 +396,7 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
     import shlex
 
     from tenx.utils.io import atomic_write_text
+    from tenx.utils.scripts import sbatch_value
 
     if not cfg.slurm_partition:
         raise ConfigError("--emit slurm needs --slurm-partition, the partition the tasks run on")
@@ -405,6 +406,9 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
             at = args.index(flag)
             del args[at : at + (2 if flag == "--engine" else 1)]
     out = Path(cfg.out).resolve()
+    if out == out.parent:
+        raise ConfigError(f"--out {cfg.out} is the file system's root: name a data directory to prepare into")
+    sbatch_value(out, "--out")  # the job's name and log path
     command = [
         "python",
         "-m",
@@ -419,12 +423,12 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
     text = "\n".join(
         [
             "#!/bin/bash",
-            f"#SBATCH --job-name=tenx-prepare-{out.name}",
+            f"#SBATCH --job-name=tenx-prepare-{sbatch_value(out.name, '--out')}",
             "#SBATCH --ntasks=1",
             "#SBATCH --cpus-per-task=2",
-            f"#SBATCH --partition={cfg.slurm_partition}",
-            f"#SBATCH --time={cfg.slurm_time}",
-            f"#SBATCH --output={out}.slurm-%j.out",
+            f"#SBATCH --partition={sbatch_value(cfg.slurm_partition, '--slurm-partition')}",
+            f"#SBATCH --time={sbatch_value(cfg.slurm_time, '--slurm-time')}",
+            f"#SBATCH --output={sbatch_value(out, '--out')}.slurm-%j.out",
             "# The driver: submits the scan and tokenize passes as datatrove job arrays, waits for them, merges,",
             "# and writes the shards; resubmitting this script resumes (completed tasks are skipped).",
             "set -euo pipefail",
@@ -433,6 +437,8 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
         ]
     )
     path = out.with_name(f"{out.name}.sbatch")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; the script goes there: move it away or choose another --out")
     if path.exists() and "#SBATCH --job-name=tenx-prepare-" not in path.read_text(errors="replace"):
         raise ConfigError(f"{path} exists and tenx did not write it; move it away or choose another --out")
     atomic_write_text(path, text + "\n")

@@ -48,6 +48,7 @@ from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenize
 from tenx.errors import ConfigError, DataError
 from tenx.utils.cpus import usable_cpu_count
 from tenx.utils.io import atomic_write_json, fsync_dir
+from tenx.utils.scripts import sbatch_value
 
 TOKENIZERS = ("bpe", "bytes")
 TOKENIZER_SAMPLE_MB = 256.0
@@ -194,6 +195,9 @@ class PrepareConfig:
             raise ConfigError(
                 "engine 'datatrove-slurm' needs slurm_partition (--slurm-partition), the tasks' partition"
             )
+        if self.slurm_partition:  # written into sbatch scripts (datatrove's, or --emit slurm's)
+            sbatch_value(self.slurm_partition, "--slurm-partition")
+        sbatch_value(self.slurm_time, "--slurm-time")
 
 
 def _is_int(value: Any) -> bool:
