@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
@@ -128,6 +130,8 @@ def _iter_directory(
     select: Callable[[int], bool] | None = None,
 ) -> Iterator[RawDocument]:
     relative: set[str] = set()
+    skipped: dict[str, list[str]] = {}
+    base = root.resolve()
     for pattern in patterns:
         try:
             matches = list(root.glob(pattern))
@@ -135,12 +139,59 @@ def _iter_directory(
             raise DataError(f"glob pattern {pattern!r} is not usable under {root}: {e}") from e
         for path in matches:
             rel = path.relative_to(root)
-            if excluded_dirs.intersection(rel.parts[:-1]) or not path.is_file():
+            if excluded_dirs.intersection(rel.parts[:-1]) or path.is_dir():
                 continue
-            relative.add(rel.as_posix())
+            why = _unusable(path, base)
+            if why:
+                skipped.setdefault(why, []).append(rel.as_posix())
+            else:
+                relative.add(rel.as_posix())
+    for why, names in sorted(skipped.items()):
+        names = sorted(set(names))
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        print(f"tenx: skipped {len(names):,} {why} under {root}: {shown}", file=sys.stderr)
     for i, rel_path in enumerate(sorted(relative)):
         wanted = select is None or select(i)
-        yield RawDocument(id=rel_path, data=(root / rel_path).read_bytes() if wanted else b"")
+        yield RawDocument(id=rel_path, data=_read_document(root / rel_path) if wanted else b"")
+
+
+SKIP_REASONS = {
+    "outside": "symbolic link(s) leading outside the source",
+    "broken": "broken or looping symbolic link(s)",
+    "special": "special file(s) (FIFOs, devices, sockets)",
+    "unreadable": "unreadable file(s)",
+}
+"""Why a file a directory source's patterns match is not read (prepare says how many of each it skipped)."""
+
+
+def _unusable(path: Path, base: Path) -> str | None:
+    """Why the matched `path` of the source directory `base` (resolved) is not read, or None to read it.
+
+    A link is followed only to a file inside the source: one leaving it (`zz.py -> /etc/passwd`) would put
+    a file the source's owner never chose into the training data. A FIFO or device would block or never end."""
+    try:
+        real = path.resolve(strict=True)
+        mode = real.stat().st_mode
+    except (OSError, RuntimeError):  # RuntimeError: a link loop (Python < 3.13)
+        return SKIP_REASONS["broken"]
+    if real != base and base not in real.parents:
+        return SKIP_REASONS["outside"]
+    if not stat.S_ISREG(mode):
+        return SKIP_REASONS["special"]
+    if not os.access(real, os.R_OK):
+        return SKIP_REASONS["unreadable"]
+    return None
+
+
+def _read_document(path: Path) -> bytes:
+    """The bytes of a source file; a DataError naming it when it cannot be read (it was listed readable)."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(
+            f"cannot read source file {path}: {e.strerror or e}; make it readable, or move it out of the "
+            "source (or narrow --pattern), then run prepare again"
+        ) from None
 
 
 def _iter_jsonl(path: Path, text_field: str, id_field: str | None) -> Iterator[RawDocument]:
