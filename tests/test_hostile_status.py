@@ -126,3 +126,25 @@ def test_status_piped_into_head_ends_quietly_with_the_sigpipe_status(tmp_path):
     assert tenx.wait(timeout=300) == 141
     assert first.decode() == f"run         {tmp_path}\n"
     assert err == ""
+
+
+@pytest.mark.parametrize("store_exists", [False, True])
+def test_a_read_only_run_says_so_instead_of_unable_to_open_database_file(
+    tmp_path, capsys, monkeypatch, store_exists
+):
+    """SQLite as on a read-only file system (opened mode=ro: root ignores file permissions): the error names
+    the run directory as read-only and says what to do, and never calls the store damaged."""
+    import sqlite3
+
+    _events(tmp_path, json.dumps(GOOD))
+    if store_exists:
+        with IncidentStore(tmp_path) as store:
+            store.ingest()
+        assert main(["incidents", str(tmp_path)]) == 0  # nothing new to write: a read-only run is listed
+        _events(tmp_path, json.dumps(GOOD), json.dumps({**GOOD, "time": 2000.0, "step": 9}))
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda path, **kw: real(f"file:{path}?mode=ro", uri=True, **kw))
+    assert main(["incidents", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is read-only" in err and "Copy the run directory somewhere writable" in err, err
+    assert "not a tenx incident store" not in err and "unable to open database file\n" not in err

@@ -241,6 +241,12 @@ def _row(
     }
 
 
+def _cannot_write(e: sqlite3.Error) -> bool:
+    """Whether SQLite failed because it may not write the file or its directory (not because it is damaged)."""
+    text = str(e).lower()
+    return "readonly" in text or "read-only" in text or "unable to open database file" in text
+
+
 class IncidentStore:
     """The incidents of one run directory (RUN_DIR/incidents.db); use as a context manager."""
 
@@ -258,13 +264,24 @@ class IncidentStore:
         try:
             self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         except sqlite3.Error as e:
-            raise TenxError(f"cannot open {self.path}: {e}") from None
+            raise (
+                self._unwritable(e) if _cannot_write(e) else TenxError(f"cannot open {self.path}: {e}")
+            ) from None
         try:
             self._db.execute("PRAGMA trusted_schema = OFF")
             self._open_schema()
         except (sqlite3.Error, TenxError) as e:
             self.close()
-            raise self._damaged(str(e)) if isinstance(e, sqlite3.Error) else e from None
+            if isinstance(e, sqlite3.Error):
+                raise self._unwritable(e) if _cannot_write(e) else self._damaged(str(e)) from None
+            raise
+
+    def _unwritable(self, e: sqlite3.Error) -> TenxError:
+        return TenxError(
+            f"cannot write the incident store {self.path} ({e}): the run directory {self.run.root} is "
+            "read-only (permissions or a read-only file system) and SQLite writes there, even to read. "
+            "Copy the run directory somewhere writable (`cp -r`) and run the command on the copy"
+        )
 
     def _damaged(self, why: str, incident: Any = None) -> TenxError:
         what = f"{self.path} is not a tenx incident store ({why})"
@@ -343,6 +360,8 @@ class IncidentStore:
                 added += 1
             self._db.execute("COMMIT")
         except sqlite3.Error as e:
+            if _cannot_write(e):
+                raise self._unwritable(e) from None
             raise TenxError(f"cannot ingest {self.run.events} into {self.path}: {e}") from None
         finally:
             if self._db.in_transaction:
@@ -420,6 +439,8 @@ class IncidentStore:
         try:
             self._db.execute(update, values)
         except sqlite3.Error as e:
+            if _cannot_write(e):
+                raise self._unwritable(e) from None
             raise TenxError(
                 f"cannot record the triage of incident {incident_id} in {self.path}: {e}"
             ) from None
