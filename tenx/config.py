@@ -92,12 +92,18 @@ def _check_node_bounds(cfg: Any, where: str) -> None:
     """Check the bounds of `cfg`'s own fields (not of nested configs)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if "bounds" not in f.metadata or not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        path = f"{where}.{f.name}" if where else f.name
+        if isinstance(value, float) and not math.isfinite(value):  # a flag's float() takes inf and nan
+            raise ConfigError(f"{path}: must be a finite number, got {value}")
+        if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+            raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer")
+        if "bounds" not in f.metadata:
             continue
         if not all(BOUNDS[k][1](value, bound) for k, bound in f.metadata["bounds"].items()):  # NaN fails
             others = _literals(get_type_hints(type(cfg))[f.name])  # 'auto' of `int | Literal['auto']`
             alternatives = "".join(f" or {a!r}" for a in others if not isinstance(a, (int, float)))
-            path = f"{where}.{f.name}" if where else f.name
             raise ConfigError(f"{path}: must be {bounds_text(f)}{alternatives}, got {value}")
 
 

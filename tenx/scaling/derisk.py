@@ -80,12 +80,14 @@ class DeriskConfig:
     change: list[ChangeConfig] = field(default_factory=list, help="the changes, in stacking order")
     seeds: int = field(2, ge=1, help="seeds at the smallest budget (noise estimate for the intervals)")
     target: float | None = field(
-        None, help="budget the multipliers are extrapolated to (default: 100x the largest budget)"
+        None,
+        gt=0,
+        help="budget the multipliers are extrapolated to, in FLOPs (default: 100x the largest budget)",
     )
     tolerance: float = field(
         1.25, gt=1, help="a trend steeper than this factor per decade is 'grows'/'fades'"
     )
-    bootstrap: int = field(200, help="bootstrap resamples of each baseline fit")
+    bootstrap: int = field(200, ge=0, le=100_000, help="bootstrap resamples of each baseline fit")
     ladder: LadderConfig = field(
         default_factory=lambda: LadderConfig(grid="ratio"), help="how runs are shaped (grid is 'ratio')"
     )

@@ -56,6 +56,9 @@ from tenx.train.config import RunConfig
 # sizes. A top budget bracketing with depths 2-3 needs 3.65e13.
 DEFAULT_BUDGETS = [1.7e12, 2.7e12, 4.3e12, 6.8e12, 1.07e13, 1.7e13, 2.7e13]
 
+MAX_DEPTH = 256
+"""The deepest model a ladder may plan (the planner tries every depth up to --max-depth)."""
+
 
 @dataclass
 class LadderConfig:
@@ -86,8 +89,8 @@ class LadderConfig:
         "minimum; at 300 the shipped ladder's depth 1 reads its 29M training bytes once)",
     )
     sizes: int = field(3, ge=1, help="isoflop: model sizes (depths) per budget")
-    min_depth: int = field(1, ge=1, help="smallest model.depth the planner may use")
-    max_depth: int = field(32, ge=1, help="largest model.depth the planner may use")
+    min_depth: int = field(1, ge=1, le=MAX_DEPTH, help="smallest model.depth the planner may use")
+    max_depth: int = field(32, ge=1, le=MAX_DEPTH, help="largest model.depth the planner may use")
     unique_tokens: int | None = field(
         None,
         ge=2,

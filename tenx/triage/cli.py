@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import at_least, subcommand
 
 
 def cmd_incidents(args: argparse.Namespace) -> None:
@@ -48,7 +48,10 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     p.add_argument("--step", type=int, required=True, help="the step to replay")
     p.add_argument(
-        "--repeat", type=int, default=2, help="times to run the step from the same state (default 2)"
+        "--repeat",
+        type=at_least(int, 1, maximum=1000),
+        default=2,
+        help="times to run the step from the same state (default 2, at most 1000)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -89,7 +92,11 @@ def cmd_triage(args: argparse.Namespace) -> None:
 
 def _triage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (restarts included)")
-    p.add_argument("--incident", type=int, help="triage this incident (an id of `tenx incidents`)")
+    p.add_argument(
+        "--incident",
+        type=at_least(int, 1, maximum=2**63 - 1),
+        help="triage this incident (an id of `tenx incidents`)",
+    )
     p.add_argument(
         "--all", action="store_true", help="triage every incident, then group them into root causes"
     )

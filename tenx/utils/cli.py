@@ -97,19 +97,26 @@ def add_set(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
 
 
-def at_least(kind: Callable[[str], Any], minimum: float) -> Callable[[str], Any]:
-    """An argparse `type=` for a flag that takes a finite `kind` (int or float) >= `minimum`: anything else
-    is a usage error naming the flag (`argument --ranks: must be an integer >= 1, got '-3'`), exit status 2."""
-    return _bounded(kind, minimum, strict=False)
+def at_least(
+    kind: Callable[[str], Any], minimum: float, maximum: float | None = None
+) -> Callable[[str], Any]:
+    """An argparse `type=` for a flag that takes a finite `kind` (int or float) >= `minimum` (and <= `maximum`
+    when given): anything else is a usage error naming the flag (`argument --ranks: must be an integer >= 1,
+    got '-3'`), exit status 2."""
+    return _bounded(kind, minimum, maximum, strict=False)
 
 
-def above(kind: Callable[[str], Any], minimum: float) -> Callable[[str], Any]:
+def above(kind: Callable[[str], Any], minimum: float, maximum: float | None = None) -> Callable[[str], Any]:
     """An argparse `type=` for a flag that takes a finite `kind` (int or float) > `minimum` (see `at_least`)."""
-    return _bounded(kind, minimum, strict=True)
+    return _bounded(kind, minimum, maximum, strict=True)
 
 
-def _bounded(kind: Callable[[str], Any], minimum: float, *, strict: bool) -> Callable[[str], Any]:
+def _bounded(
+    kind: Callable[[str], Any], minimum: float, maximum: float | None, *, strict: bool
+) -> Callable[[str], Any]:
     what = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {minimum:g}"
+    if maximum is not None:
+        what += f" and <= {maximum:,g}"
 
     def parse(text: str) -> Any:
         try:
@@ -117,6 +124,8 @@ def _bounded(kind: Callable[[str], Any], minimum: float, *, strict: bool) -> Cal
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or (value <= minimum if strict else value < minimum):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        if maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
         return value
 

@@ -187,9 +187,15 @@ def parse_threads(text: str) -> int | None:
     """A `--threads` value: `auto` (None: tenx.hardware.choose_threads decides) or a count >= 1."""
     if text.strip().lower() == "auto":
         return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected auto or a thread count >= 1, got {text!r}")
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(
+            f"expected auto or a thread count from 1 to {MAX_THREADS}, got {text!r}"
+        )
     return int(text)
+
+
+MAX_THREADS = 4096
+"""The most torch threads a flag may ask for (more than any machine has cores; torch's own count is a C int)."""
 
 
 def add_threads_argument(p: argparse.ArgumentParser, help: str | None = None, default: str = "auto") -> None:

@@ -361,6 +361,32 @@ def ensure_writable(directory: str | os.PathLike[str], what: str) -> None:
         ) from e
 
 
+def check_output_file(
+    path: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    flag: str = "-o",
+    inputs: tuple[str | os.PathLike[str], ...] = (),
+) -> Path:
+    """`path` as a file a command may write (atomically, after this check), or a TenxError naming `flag`:
+    a directory (or a path ending in a separator) is not a file; an existing file is replaced only with
+    `force`, and never when it is one of the command's `inputs` (the same file, whatever the spelling)."""
+    text = os.fspath(path)
+    out = Path(text)
+    if not text or text.endswith(os.sep) or out.is_dir():
+        raise TenxError(f"{flag} {text or repr(text)} is a directory, not a file: name the file to write")
+    for given in inputs:
+        try:
+            same = out.exists() and os.path.samefile(out, given)
+        except OSError:
+            same = False
+        if same or out.resolve() == Path(given).resolve():
+            raise TenxError(f"{flag} {text} is the command's own input {given}: choose another output file")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise TenxError(f"{text} exists; pass --force to replace it, or choose another {flag}")
+    return out
+
+
 def cache_dir() -> Path:
     """Where tenx keeps data it prepares on its own (the ladder's corpus): $TENX_CACHE_DIR, else
     $XDG_CACHE_HOME/tenx, else ~/.cache/tenx. Never a path relative to the working directory."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tenx.utils.cli import counted, subcommand
+from tenx.utils.cli import above, counted, subcommand
 
 
 def cmd_dashboard(args: argparse.Namespace) -> None:
@@ -38,7 +38,11 @@ def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
         "reaches it read the runs (docs/security.md)",
     )
     p.add_argument(
-        "--refresh", type=float, default=5.0, metavar="SECONDS", help="how often the page re-reads the runs"
+        "--refresh",
+        type=above(float, 0, maximum=86400),
+        default=5.0,
+        metavar="SECONDS",
+        help="how often the page re-reads the runs (at most a day)",
     )
 
 

@@ -73,9 +73,12 @@ class FitConfig:
         "to the odd bad run)",
     )
     bootstrap: int = field(
-        200, ge=0, help="bootstrap resamples of the runs for the confidence intervals (0: no intervals)"
+        200,
+        ge=0,
+        le=100_000,
+        help="bootstrap resamples of the runs for the confidence intervals (0: no intervals)",
     )
-    seed: int = field(0, help="seed of the bootstrap resampling (same seed, same intervals)")
+    seed: int = field(0, ge=0, help="seed of the bootstrap resampling (same seed, same intervals)")
     level: float = field(0.95, gt=0, lt=1, help="confidence level of the percentile intervals")
     starts: int = field(
         64,

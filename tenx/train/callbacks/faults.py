@@ -93,7 +93,7 @@ class FaultConfig:
     inject: list[str] = field(
         default_factory=list, help="fault specs KIND@step=N[,opt=v] or KIND@p=P (see docs/fault-tolerance.md)"
     )
-    seed: int = field(0, help="seed of the random (p=P) faults")
+    seed: int = field(0, ge=0, help="seed of the random (p=P) faults")
 
     def validate(self) -> None:
         """Parse every spec; the error names the bad one."""
