@@ -49,7 +49,9 @@ _REPR.maxlevel = 3
 
 
 def _show(value: Any) -> str:
-    """repr of a value for a message, cut short when long or deeply nested."""
+    """repr of a value for a message, cut short when long or deeply nested (a huge integer as 2.01e+281)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        return f"{float(value):.3g}" if abs(value) < 10**308 else f"an integer of {len(str(abs(value)))} digits"
     return _REPR.repr(value)
 
 
@@ -98,7 +100,7 @@ def _check_node_bounds(cfg: Any, where: str) -> None:
         if isinstance(value, float) and not math.isfinite(value):  # a flag's float() takes inf and nan
             raise ConfigError(f"{path}: must be a finite number, got {value}")
         if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
-            raise ConfigError(f"{path}: {value} does not fit in a 64-bit integer")
+            raise ConfigError(f"{path}: {_show(value)} does not fit in a 64-bit integer")
         if "bounds" not in f.metadata:
             continue
         if not all(BOUNDS[k][1](value, bound) for k, bound in f.metadata["bounds"].items()):  # NaN fails
