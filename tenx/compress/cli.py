@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import at_least, subcommand
 from tenx.utils.cpus import add_threads_argument
 
 SUFFIX = ".tenx"
@@ -56,7 +56,11 @@ def _common(p: argparse.ArgumentParser, file_help: str) -> None:
         "run_dir", metavar="RUN_DIR", help="run directory (newest verified checkpoint) or checkpoint"
     )
     p.add_argument("file", metavar="FILE", help=file_help)
-    p.add_argument("--force", action="store_true", help="overwrite the output if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite the output if it exists (never FILE itself; -o must name a file, not a directory)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -80,7 +84,7 @@ def _decompress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", help=f"the decompressed file (default FILE without {SUFFIX})")
     p.add_argument(
         "--max-bytes",
-        type=int,
+        type=at_least(int, 0),
         default=1 << 30,
         help="refuse a file that claims a larger original (default 1 GiB: a forged header cannot make "
         "decompression allocate without bound)",

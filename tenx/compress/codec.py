@@ -57,7 +57,7 @@ from tenx.eval.load import LoadedModel, load_model
 from tenx.model.transformer import Block, Transformer, apply_rope
 from tenx.rundir import step_dir_name
 from tenx.utils.cli import counted
-from tenx.utils.io import atomic_write_bytes, file_xxhash
+from tenx.utils.io import atomic_write_bytes, check_output_file, file_xxhash
 
 MAGIC = b"TENX"
 VERSION = 1
@@ -562,8 +562,9 @@ def decompress_file(
 
 
 def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
-    if Path(dst).exists() and not force:
-        raise TenxError(f"{dst} exists; pass --force to overwrite it")
+    """`src`'s bytes, once `dst` is known to be a file this command may write: not a directory, not `src`
+    itself (even with `force`), and an existing file only with `force`."""
+    check_output_file(dst, force=force, inputs=(src,))
     try:
         return Path(src).read_bytes()
     except OSError as e:

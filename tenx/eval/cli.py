@@ -4,10 +4,11 @@ several runs on the same data."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from tenx.errors import TenxError
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import at_least, subcommand
 from tenx.utils.cpus import add_threads_argument
 
 
@@ -85,8 +86,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from tenx.eval.evaluate import evaluate
     from tenx.hardware import set_torch_threads
 
-    if args.out and len(args.targets) > 1:
+    if args.out is not None and len(args.targets) > 1:
         raise TenxError("--out names one eval.json: give it with one run (each run keeps its own eval.json)")
+    if args.out is not None:
+        from tenx.utils.io import check_output_file
+
+        check_output_file(args.out, force=args.force, flag="--out")
     set_torch_threads(args.threads)
     reports = {}
     for target in args.targets:
@@ -117,21 +122,51 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(format_comparison(reports))
 
 
+def _fraction(text: str) -> float:
+    """An argparse `type=` for a fraction: a number in [0, 1] (nan, inf and anything else: exit status 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:  # False for nan
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
+    return value
+
+
+def _dataset(text: str) -> str:
+    """An argparse `type=` for --split: a non-empty name or path (an empty one would be the current
+    directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a split or a file or directory of text, got {text!r}")
+    return text
+
+
+_fraction.__name__ = "a fraction in [0, 1]"
+_dataset.__name__ = "a split name or path"
+
+
 def _eval_arguments(ep: argparse.ArgumentParser) -> None:
     ep.add_argument(
         "targets", nargs="+", metavar="TARGET", help="run or checkpoint directories (several: a comparison)"
     )
     ep.add_argument(
-        "--split", action="append", help="heldout | val | train | PATH (repeatable; default heldout)"
+        "--split",
+        action="append",
+        type=_dataset,
+        help="heldout | val | train | PATH (repeatable; default heldout)",
     )
-    ep.add_argument("--out", help="where to write eval.json (default: the run directory)")
-    ep.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    ep.add_argument(
+        "--out",
+        help="where to write eval.json (default: the run directory's eval.json, rewritten each time)",
+    )
+    ep.add_argument("--force", action="store_true", help="let --out replace an existing file")
+    ep.add_argument("--batch-size", type=at_least(int, 1), default=8, help="sequences per forward pass")
     ep.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
     )
     ep.add_argument(
         "--stride",
-        type=int,
+        type=at_least(int, 1),
         default=None,
         help="tokens each scoring window moves (default seq_len: no overlap; smaller gives more context)",
     )
@@ -148,14 +183,14 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
     )
     ep.add_argument(
         "--ngram",
-        type=int,
+        type=at_least(int, 1),
         default=None,
         help="n-gram length of --decontaminate, in tokens (default: the data's, as prepared: 13 for BPE, "
         "50 for bytes)",
     )
     ep.add_argument(
         "--threshold",
-        type=float,
+        type=_fraction,
         default=None,
         help="a document is contaminated when more than this fraction of its n-grams occur in training "
         "(default 0.5: tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD; see docs/eval.md)",
@@ -171,7 +206,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tenx.eval.sample import check_sampling, generate
     from tenx.hardware import set_torch_threads
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is loaded
     set_torch_threads(args.threads)
     loaded = load_model(args.target, args.device)
     tokenizer = load_tokenizer(loaded.data_dir)
@@ -191,14 +226,31 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def _sample_arguments(sp: argparse.ArgumentParser) -> None:
+    from tenx.eval.sample import MAX_NEW_TOKENS
+
     sp.add_argument("target", help="run directory or checkpoint directory")
     sp.add_argument("--prompt", default="", help="text to continue")
-    sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, >= 0 (default 200)")
     sp.add_argument(
-        "--temperature", type=float, default=0.8, help="sampling temperature, >= 0; 0 is greedy (default 0.8)"
+        "--max-new-tokens",
+        type=at_least(int, 0),
+        default=200,
+        help=f"tokens to generate, 0 to {MAX_NEW_TOKENS:,} (default 200)",
     )
-    sp.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
-    sp.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    sp.add_argument(
+        "--temperature",
+        type=at_least(float, 0),
+        default=0.8,
+        help="sampling temperature, a finite number >= 0; 0 is greedy (default 0.8)",
+    )
+    sp.add_argument(
+        "--top-k", type=at_least(int, 0), default=50, help="sample among the k likeliest tokens (0: all)"
+    )
+    sp.add_argument(
+        "--seed",
+        type=at_least(int, 0),
+        default=0,
+        help="sampling seed, >= 0 (the same seed gives the same text)",
+    )
     sp.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
     )

@@ -9,13 +9,27 @@ import torch
 from tenx.errors import TenxError
 from tenx.model.transformer import Transformer
 
+MAX_NEW_TOKENS = 100_000
+"""The most tokens one `tenx sample` generates (each is a forward pass over up to seq_len tokens)."""
+MAX_SEED = 2**63 - 1
+"""The largest seed torch.Generator.manual_seed takes."""
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+
+MAX_TEMPERATURE = 1000.0
+"""The highest sampling temperature (above it the fp32 logits divided by it lose all difference anyway)."""
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, seed: int = 0) -> None:
     """Refuse sampling settings that make no sense, naming the flag."""
-    if max_new_tokens < 0:
-        raise TenxError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise TenxError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise TenxError(f"--max-new-tokens must be in [0, {MAX_NEW_TOKENS:,}], got {max_new_tokens}")
+    if not 0 <= seed <= MAX_SEED:
+        raise TenxError(f"--seed must be in [0, 2**63 - 1], got {seed}")
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise TenxError(
+            f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g} (as good as uniform), "
+            f"got {temperature}"
+        )
     if top_k is not None and top_k < 0:
         raise TenxError(f"--top-k must be >= 0 (0: all tokens), got {top_k}")
 
@@ -36,7 +50,7 @@ def generate(
 
     `vocab_size` masks the padding ids above the tokenizer's vocabulary.
     """
-    check_sampling(max_new_tokens, temperature, top_k)
+    check_sampling(max_new_tokens, temperature, top_k, seed)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ import shlex
 from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
-from tenx.utils.cli import add_set, subcommand
+from tenx.utils.cli import add_set, at_least, subcommand
 from tenx.utils.cpus import add_threads_argument, threads_override
 
 LADDER_FLAGS: tuple[str, ...] = (
@@ -69,8 +69,10 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
     lp.add_argument(
         "--emit", choices=["torchrun", "slurm"], help="write cluster launch scripts; train nothing"
     )
-    lp.add_argument("--nproc", type=int, default=8, help="with --emit: processes (GPUs) per node")
-    lp.add_argument("--nodes", type=int, default=1, help="with --emit: nodes per run")
+    lp.add_argument(
+        "--nproc", type=at_least(int, 1, 1024), default=8, help="with --emit: processes (GPUs) per node"
+    )
+    lp.add_argument("--nodes", type=at_least(int, 1, 100_000), default=1, help="with --emit: nodes per run")
     add_threads_argument(lp)
 
 
@@ -190,13 +192,13 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
     add_config_arguments(fp, FitConfig, FIT_FLAGS, show_defaults=True)
     fp.add_argument(
         "--min-tokens-per-param",
-        type=float,
+        type=at_least(float, 0),
         default=0.0,
         help="leave out runs with fewer training tokens per parameter (default 0: keep all)",
     )
     fp.add_argument(
         "--max-residual",
-        type=float,
+        type=at_least(float, 0),
         default=0.05,
         help="leave out runs this far off the fit to the others, in log loss (default 0.05; 0: keep all)",
     )
@@ -217,6 +219,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
             bootstrap=args.bootstrap,
             out=args.out,
             quantity=args.quantity,
+            force=args.force,
         )["text"]
     )
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tenx import rundir
 from tenx.errors import ConfigError, TenxError
 from tenx.model.flops import count_params
@@ -30,6 +32,7 @@ from tenx.scaling.curve import (
     schedule_from_config,
 )
 from tenx.train.config import RunConfig, tokens_per_step, total_steps
+from tenx.utils.io import check_output_file
 
 PREDICTION = rundir.PREDICTION
 PREDICTION_PNG = rundir.PREDICTION_PNG
@@ -49,20 +52,40 @@ def params_of(cfg: RunConfig) -> int:
     return count_params(cfg.model.resolved(vocab)).total
 
 
+STORED_POINTS = 2000
+"""prediction.json stores at most about this many steps of a longer curve: half log-spaced (the fast start),
+half evenly spaced (a late decay), and the last step; readers interpolate between them (Prediction.at)."""
+
+MAX_BOOTSTRAP = 1000
+"""The most bootstrap refits `tenx predict` makes (each is a whole fit; 1000 already pins a 95% band)."""
+
 QUANTITIES = {"loss": "train_loss", "val_loss": "val_loss"}
 """Metrics column -> prediction.json's `quantity`: the training loss (smoothed) or the validation loss."""
+
+
+def stored_indexes(count: int, points: int = STORED_POINTS) -> np.ndarray:
+    """Which of `count` predicted steps prediction.json keeps: all of a short curve; of a longer one, about
+    `points` (log- and evenly spaced, the first and the last always), sorted and unique."""
+    if count <= points:
+        return np.arange(count)
+    half = max(1, points // 2)
+    spaced = np.concatenate(
+        [np.geomspace(1, count, half) - 1, np.linspace(0, count - 1, half), [0, count - 1]]
+    )
+    return np.unique(spaced.round().astype(np.int64))
 
 
 def _to_prediction(
     cp: CurvePrediction, window: int, source: dict[str, Any], target: dict[str, Any], quantity: str = "loss"
 ) -> Prediction:
+    keep = stored_indexes(len(cp.steps)).tolist()
     return Prediction(
         quantity=QUANTITIES[quantity],
-        step=cp.steps,
-        tokens=[int(round(t)) for t in cp.tokens],
-        loss=cp.loss,
-        lower=cp.lower,
-        upper=cp.upper,
+        step=[cp.steps[i] for i in keep],
+        tokens=[int(round(cp.tokens[i])) for i in keep],
+        loss=[cp.loss[i] for i in keep],
+        lower=[cp.lower[i] for i in keep],
+        upper=[cp.upper[i] for i in keep],
         level=cp.level,
         window=window,
         source={**source, "law": cp.law, "step_sigma": cp.step_sigma},
@@ -164,6 +187,37 @@ def write_outputs(
     return {"prediction": path, "plot": png}
 
 
+def check_out_dir(out: str | Path, run_dir: str | Path | None, force: bool = False) -> Path:
+    """`-o DIR` as a directory `tenx predict` may write prediction.json and prediction.png into, or a
+    TenxError: not an existing file; never a run directory's own prediction.json (the one the run is watched
+    against: of `run_dir`, or of any run directory `out` is), even with `force`; other existing files only
+    with `force`."""
+    out_dir = Path(out)
+    if not str(out) or (out_dir.exists() or out_dir.is_symlink()) and not out_dir.is_dir():
+        raise TenxError(
+            f"-o {str(out) or repr(str(out))} is not a directory: -o names the directory that gets "
+            f"{PREDICTION} and {PREDICTION_PNG}"
+        )
+    watched = [rundir.RunDir(run_dir).prediction] if run_dir is not None else []
+    if rundir.RunDir(out_dir).config.exists():
+        watched.append(rundir.RunDir(out_dir).prediction)
+    for name in (PREDICTION, PREDICTION_PNG):
+        try:
+            check_output_file(out_dir / name, force=force, inputs=tuple(watched))
+        except TenxError as e:
+            if name == PREDICTION and any(_same(out_dir / name, w) for w in watched):
+                raise TenxError(
+                    f"-o {out}: {out_dir / name} is a run's own prediction, the one it is watched against; "
+                    "tenx predict never overwrites it: choose another -o"
+                ) from None
+            raise TenxError(f"-o {out}: {e}") from None
+    return out_dir
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
 def format_prediction(prediction: Prediction) -> str:
     """A few lines for the terminal: the final loss with its band, and where it came from."""
     f = prediction.final
@@ -203,17 +257,24 @@ def run_predict(
     bootstrap: int = 30,
     out: str | Path | None = None,
     quantity: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """What `tenx predict` does: predict (from a ladder for `config`, or a run from its own curve), write
-    prediction.json and prediction.png, and return {"prediction", "paths", "text"}."""
+    prediction.json and prediction.png, and return {"prediction", "paths", "text"}.
+
+    `out`: the output directory; the default one is rewritten each time, files in any other are replaced
+    only with `force`, and a run directory's own prediction.json never (check_out_dir)."""
     from tenx.train.config import load_run_config, resolve_config_path
 
     if (ladder_dir is None) == (run_dir is None):
         raise ConfigError("tenx predict: give either --from LADDER_DIR (with --config) or --run RUN_DIR")
     if world_size < 1:
         raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
-    if bootstrap < 0:
-        raise ConfigError(f"--bootstrap: must be >= 0, got {bootstrap}")
+    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
+        raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
+    out_dir = default_out(run_dir, ladder_dir, config or "")
+    if out is not None:
+        out_dir = check_out_dir(out, run_dir, force)
     if run_dir is not None:
         if config or overrides:
             raise ConfigError("tenx predict --run: the run's own config.toml is used; drop --config/--set")
@@ -237,9 +298,7 @@ def run_predict(
             quantity=quantity or "auto",
         )
         metrics, title = None, f"{config}: predicted from {ladder_dir}"
-    paths = write_outputs(
-        prediction, Path(out) if out else default_out(run_dir, ladder_dir, config or ""), metrics, title
-    )
+    paths = write_outputs(prediction, out_dir, metrics, title)
     text = f"{format_prediction(prediction)}\nprediction: {paths['prediction']}\nplot: {paths['plot']}"
     return {"prediction": prediction, "paths": paths, "text": text}
 
@@ -278,5 +337,11 @@ def add_arguments(pp: Any) -> None:
     pp.add_argument(
         "-o",
         "--out",
-        help="output directory (default: RUN_DIR/extrapolation, or LADDER_DIR/predictions/CONFIG)",
+        help="output directory (default: RUN_DIR/extrapolation, or LADDER_DIR/predictions/CONFIG; never a "
+        "run directory's own prediction.json)",
+    )
+    pp.add_argument(
+        "--force",
+        action="store_true",
+        help="with -o: replace a prediction.json or prediction.png already there",
     )

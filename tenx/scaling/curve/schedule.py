@@ -44,6 +44,9 @@ SCHEDULES = ("cosine", "wsd", "constant")
 """The `optim.schedule` values the laws represent (warmup, then a learning rate that never rises)."""
 _RISE_TOLERANCE = 1e-6
 QUANTITIES = ("loss", "val_loss")
+MAX_STEPS = 2_000_000
+"""The longest schedule the laws take from a config: each update's learning rate is held (and computed in
+Python), so 1e9 steps would take hours and gigabytes; a run this long is far beyond what a ladder fits."""
 """The metrics columns a curve can follow: each step's training loss, or the periodic validation loss."""
 
 
@@ -132,6 +135,11 @@ def schedule_from_config(optim: OptimConfig, total_steps: int, tokens_per_step: 
         )
     if not tokens_per_step > 0:
         raise ConfigError(f"tokens per step: must be positive, got {tokens_per_step}")
+    if total_steps > MAX_STEPS:
+        raise ConfigError(
+            f"train.steps: {total_steps:,} steps are more than the curve laws evaluate ({MAX_STEPS:,}: they "
+            "hold each step's learning rate); predict a shorter run"
+        )
     lr = np.array([lr_at(step, total_steps, optim) for step in range(total_steps)])
     return Schedule(lr, np.full(total_steps, float(tokens_per_step)), optim.schedule)
 
