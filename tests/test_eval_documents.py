@@ -50,9 +50,12 @@ def test_several_runs_are_compared_on_the_same_data(runs, corpus_dir, capsys):
 
 
 def test_copies_of_training_files_are_contaminated_and_left_out_of_the_clean_score(
-    runs, tiny_data, tmp_path, capsys
+    runs, tiny_data, tmp_path, capsys, monkeypatch
 ):
     from tenx.eval.documents import split_documents
+
+    monkeypatch.setenv("TENX_CACHE_DIR", str(tmp_path / "cache"))
+    data_files = sorted(p.name for p in tiny_data.iterdir())  # the user's data directory is never written
 
     # a "private repository": two files copied from the training split, and the held-out documents
     repo = tmp_path / "repo"
@@ -75,6 +78,10 @@ def test_copies_of_training_files_are_contaminated_and_left_out_of_the_clean_sco
     assert not any(name.startswith("fresh/") for name in c["contaminated_names"])
     assert r["clean"]["documents"] == r["by_directory"]["fresh"]["documents"]
     assert r["clean"]["bytes"] == r["by_directory"]["fresh"]["bytes"]
+    assert sorted(p.name for p in tiny_data.iterdir()) == data_files
+    assert "ngrams-50.npy" in data_files or list(
+        (tmp_path / "cache" / "ngram-indexes").glob("*/ngrams-50.npy")
+    )
     assert (
         main(
             [

@@ -124,15 +124,21 @@ def data_n(manifest: dict[str, Any]) -> int:
     return default_n(manifest["tokenizer"]["kind"])
 
 
-def index_paths(data_dir: str | Path, n: int = DEFAULT_N, split: str = "train") -> tuple[Path, Path]:
-    """The index file (.npy) and its sidecar (.json) for n-grams of `split` in `data_dir`."""
+def index_paths(
+    data_dir: str | Path, n: int = DEFAULT_N, split: str = "train", index_dir: str | Path | None = None
+) -> tuple[Path, Path]:
+    """The index file (.npy) and its sidecar (.json) for n-grams of `split` of `data_dir`: in `data_dir`,
+    or in `index_dir` when given (an index built for reading, outside the user's data directory)."""
     stem = f"ngrams-{n}" if split == "train" else f"ngrams-{split}-{n}"
-    return Path(data_dir) / f"{stem}.npy", Path(data_dir) / f"{stem}.json"
+    where = Path(index_dir if index_dir is not None else data_dir)
+    return where / f"{stem}.npy", where / f"{stem}.json"
 
 
-def build_index(data_dir: str | Path, n: int = DEFAULT_N, split: str = "train") -> Path:
-    """Verify the shards of `split`, write the n-gram index of its documents and its sidecar; the index's
-    path."""
+def build_index(
+    data_dir: str | Path, n: int = DEFAULT_N, split: str = "train", index_dir: str | Path | None = None
+) -> Path:
+    """Verify the shards of `split`, write the n-gram index of its documents and its sidecar (into
+    `index_dir` when given, else `data_dir`); the index's path."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise DataError(f"n-gram length must be an integer in [1, {MAX_N}], got {n!r}")
     if split not in SPLITS:
@@ -147,7 +153,7 @@ def build_index(data_dir: str | Path, n: int = DEFAULT_N, split: str = "train") 
         tokens = np.fromfile(data_dir / shard["file"], dtype=np_dtype(manifest))
         parts.append(_stream_unique_hashes(tokens, n, eot_id))
     hashes = sorted_unique(np.concatenate(parts))
-    path, sidecar = index_paths(data_dir, n, split)
+    path, sidecar = index_paths(data_dir, n, split, index_dir)
     data = _npy_bytes(hashes)
     atomic_write_bytes(path, data)
     atomic_write_json(
@@ -191,11 +197,13 @@ class NgramIndex:
         return int(self.contains(hashes).sum()), int(len(hashes))
 
 
-def load_index(data_dir: str | Path, n: int = DEFAULT_N, split: str = "train") -> NgramIndex:
-    """Load and check the n-gram index of `split`: DataError naming the file when it is missing, corrupt, or
-    stale (built from other shards than the manifest lists)."""
+def load_index(
+    data_dir: str | Path, n: int = DEFAULT_N, split: str = "train", index_dir: str | Path | None = None
+) -> NgramIndex:
+    """Load and check the n-gram index of `split` (from `index_dir` when given, else `data_dir`): DataError
+    naming the file when it is missing, corrupt, or stale (built from other shards than the manifest lists)."""
     data_dir = Path(data_dir)
-    path, sidecar_path = index_paths(data_dir, n, split)
+    path, sidecar_path = index_paths(data_dir, n, split, index_dir)
     rebuild = f"`tenx data index {data_dir} --n {n}` rebuilds it"
     manifest = read_manifest(data_dir)
     for file in (sidecar_path, path):

@@ -160,17 +160,26 @@ def score_documents(
 
 
 def contamination_report(data_dir: Path, docs: list[Document], n: int, threshold: float) -> dict[str, Any]:
-    """Per-dataset contamination against the training split's n-gram index (built when missing)."""
+    """Per-dataset contamination against the training split's n-gram index: the data directory's own (from
+    `tenx data prepare --ngram-index` or `tenx data index`), else one built into tenx's cache directory
+    (keyed by the manifest's xxhash): the user's data directory is never written."""
     from tenx.data import ngrams
+    from tenx.utils.io import cache_dir, file_xxhash
 
     try:
         index = ngrams.load_index(data_dir, n)
     except DataError as missing:
         if "tenx data index" not in str(missing):
             raise
-        print(f"tenx eval: building the {n}-gram index of the training split of {data_dir}")
-        ngrams.build_index(data_dir, n)
-        index = ngrams.load_index(data_dir, n)
+        cached = cache_dir() / "ngram-indexes" / file_xxhash(Path(data_dir) / "manifest.json")
+        try:
+            index = ngrams.load_index(data_dir, n, index_dir=cached)
+        except DataError as stale:
+            if "tenx data index" not in str(stale):
+                raise
+            print(f"tenx eval: building the {n}-gram index of the training split of {data_dir} in {cached}")
+            ngrams.build_index(data_dir, n, index_dir=cached)
+            index = ngrams.load_index(data_dir, n, index_dir=cached)
     found = ngrams.contamination(
         index, [d.tokens for d in docs], threshold, document_bytes=[d.num_bytes for d in docs]
     )
