@@ -3,7 +3,9 @@ damaged file."""
 
 from __future__ import annotations
 
+import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,6 @@ from tenx.cli import main
 from tenx.compress import codec as codec_mod
 from tenx.compress.codec import (
     HEADER_BYTES,
-    _Stepper,
     _to_ids,
     compress_bytes,
     compress_file,
@@ -22,6 +23,8 @@ from tenx.compress.codec import (
     load_codec,
     read_header,
 )
+from tenx.compress.fixed import FixedStepper, FixedWeights, det_exp, det_log, det_sin_cos
+from tenx.compress.float32 import FloatStepper
 from tenx.data.loader import TokenStream
 from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.errors import TenxError
@@ -118,9 +121,91 @@ def test_cached_steps_compute_the_models_logits(overrides):
     model = Transformer(cfg).eval()
     tokens_BT = torch.randint(0, 100, (3, cfg.seq_len))
     with torch.inference_mode():
-        step = _Stepper(model, 3)
+        step = FloatStepper(model, 3)
         cached = torch.stack([step(tokens_BT[:, t], t) for t in range(cfg.seq_len)], dim=1)
         torch.testing.assert_close(cached, model(tokens_BT), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"family": "llama", "n_kv_heads": 1}, {"family": "llama", "qk_norm": True}, {"family": "gpt2"}],
+    ids=["rope-gqa", "qk-norm", "learned"],
+)
+def test_the_fixed_point_steps_compute_the_models_logits(overrides):
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=32, **overrides).resolved(100)
+    model = Transformer(cfg).eval()
+    for p in model.parameters():  # a trained model's spread of weights, not the initial one's
+        p.data.add_(torch.randn_like(p) * 0.05)
+    tokens_BT = torch.randint(0, 100, (3, cfg.seq_len))
+    with torch.inference_mode():
+        step = FixedStepper(FixedWeights(model, torch.device("cpu")), 3)
+        fixed = torch.stack([step(tokens_BT[:, t], t) for t in range(cfg.seq_len)], dim=1)
+        torch.testing.assert_close(fixed, model(tokens_BT).double(), atol=2e-3, rtol=2e-3)
+
+
+def test_deterministic_functions_are_accurate():
+    x = torch.linspace(-60, 60, 20001, dtype=torch.float64)
+    assert float(((det_exp(x) - torch.exp(x)) / torch.exp(x)).abs().max()) < 1e-12
+    sin, cos = det_sin_cos(x * 5)
+    assert (
+        float((sin - (x * 5).sin()).abs().max()) < 1e-12 and float((cos - (x * 5).cos()).abs().max()) < 1e-12
+    )
+    assert all(
+        abs(det_log(v) - math.log(v)) < 1e-14 * max(1, abs(math.log(v))) for v in (1e-9, 0.5, 1, 3, 1e4)
+    )
+
+
+ENCODE = """
+import sys
+from tenx.compress.codec import compress_file, decompress_file
+import torch
+print(torch.backends.cpu.get_cpu_capability(), flush=True)
+run, src, dst, threads, mode = sys.argv[1:]
+if mode == "compress":
+    compress_file(run, src, dst, threads=int(threads))
+else:
+    torch.set_num_threads(int(threads))
+    decompress_file(run, src, dst)
+"""
+
+
+def test_a_file_decodes_under_other_kernels_and_thread_counts(run, tmp_path):
+    """Compressed under ATEN_CPU_CAPABILITY=default (plain C++ kernels, 1 thread) and decoded under this
+    machine's best (AVX2 or AVX-512, 2 threads), and the reverse: the fixed-point rules give the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "doc.py"
+    src.write_bytes(b"import email\nprint(email.message_from_string('x'))\n" * 20 + bytes(range(40)))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def child(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", ENCODE, str(run), *args], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    assert child(str(src), str(tmp_path / "a.tenx"), "1", "compress") == "DEFAULT"
+    assert read_header((tmp_path / "a.tenx").read_bytes()).version == 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        decompress_file(run, tmp_path / "a.tenx", tmp_path / "a.out")
+    finally:
+        torch.set_num_threads(before)
+    assert (tmp_path / "a.out").read_bytes() == src.read_bytes()
+    compress_file(run, src, tmp_path / "b.tenx", threads=2)
+    child(str(tmp_path / "b.tenx"), str(tmp_path / "b.out"), "1", "decompress")
+    assert (tmp_path / "b.out").read_bytes() == src.read_bytes()
+
+
+def test_version_1_files_still_decode(codec, tiny_data):
+    data = b"".join(_heldout_documents(tiny_data))[:600]
+    blob = compress_bytes(codec, data, version=1)
+    assert read_header(blob).version == 1 and decompress_bytes(codec, blob) == data
 
 
 def test_round_trip_across_torch_thread_counts(codec, tiny_data):
@@ -191,7 +276,7 @@ def test_a_forged_header_is_refused_in_under_a_second(blob, codec, tokens, body)
 def test_the_bound_holds_for_tokens_as_likely_as_the_coder_allows(codec, monkeypatch):
     """The information bound never refuses a real file: tokens the model gives the largest probability the
     coder can code (50,000 of them in one 32-bit word) still round-trip."""
-    real = codec_mod._frequencies
+    real = codec_mod.fixed_frequencies
     z = int(codec.byte_ids[ord("z")])
 
     def certain(logits, vocab, eot):
@@ -199,7 +284,7 @@ def test_the_bound_holds_for_tokens_as_likely_as_the_coder_allows(codec, monkeyp
         freqs[:, z] += 2.0**40
         return freqs
 
-    monkeypatch.setattr(codec_mod, "_frequencies", certain)
+    monkeypatch.setattr(codec_mod, "fixed_frequencies", certain)
     for data in (b"z" * 50_000, b"z" * 3000 + b"a" + b"z" * 3000):
         packed = compress_bytes(codec, data)
         assert read_header(packed).words <= 2
@@ -215,14 +300,14 @@ def test_output_is_verified_before_it_is_written(codec, tmp_path, monkeypatch):
     src, packed, out = tmp_path / "a.txt", tmp_path / "a.tenx", tmp_path / "out.txt"
     src.write_bytes(b"import json\n" * 50)
     compress_file(codec, src, packed)
-    real = codec_mod._frequencies
+    real = codec_mod.fixed_frequencies
 
     def skewed(logits, vocab, eot):  # what another CPU's rounding could do to the decoder's side
         freqs = real(logits, vocab, eot)
         freqs[:, 0] += 1e6
         return freqs
 
-    monkeypatch.setattr(codec_mod, "_frequencies", skewed)
+    monkeypatch.setattr(codec_mod, "fixed_frequencies", skewed)
     with pytest.raises(TenxError, match="do not match the original's xxhash"):
         decompress_file(codec, packed, out)
     assert not out.exists()

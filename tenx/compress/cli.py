@@ -33,9 +33,8 @@ def cmd_decompress(args: argparse.Namespace) -> None:
         if not args.file.endswith(SUFFIX) or args.file == SUFFIX:
             raise TenxError(f"{args.file} does not end in {SUFFIX}: name the output with -o FILE")
         out = args.file[: -len(SUFFIX)]
-    _print(
-        decompress_file(args.run_dir, args.file, out, args.force, args.max_bytes), "decompressed", args.json
-    )
+    report = decompress_file(args.run_dir, args.file, out, args.force, args.max_bytes, device=args.device)
+    _print(report, "decompressed", args.json)
 
 
 def _print(report: dict[str, Any], verb: str, as_json: bool) -> None:
@@ -74,9 +73,7 @@ def _compress_arguments(p: argparse.ArgumentParser) -> None:
         "those other programs keep busy)",
         default="1",
     )
-    p.add_argument(
-        "--device", default="cpu", help="cpu (default) or cuda; decompression runs on the same kind"
-    )
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; the file decodes on either")
 
 
 def _decompress_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +85,12 @@ def _decompress_arguments(p: argparse.ArgumentParser) -> None:
         default=1 << 30,
         help="refuse a file that claims a larger original (default 1 GiB: a forged header cannot make "
         "decompression allocate without bound)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: a file decodes on any device, whatever it was compressed on (a file of "
+        "tenx before its format version 2: only on the kind of device that compressed it)",
     )
 
 

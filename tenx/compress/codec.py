@@ -46,21 +46,25 @@ from typing import Any, cast
 import constriction
 import numpy as np
 import torch
-import torch.nn.functional as F
 import xxhash
 
 from tenx import checkpoint as ckpt
+from tenx.compress.fixed import FixedStepper, FixedWeights, fixed_frequencies
+from tenx.compress.float32 import FREQ_SCALE, FloatStepper, float_frequencies
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.load import LoadedModel, load_model
-from tenx.model.transformer import Block, Transformer, apply_rope
+from tenx.model.transformer import Block, Transformer
 from tenx.rundir import step_dir_name
 from tenx.utils.cli import counted
 from tenx.utils.io import atomic_write_bytes, check_output_file, file_xxhash
 
 MAGIC = b"TENX"
-VERSION = 1
+VERSION = 2
+"""Version 2: probabilities by the fixed-point rules of tenx/compress/fixed.py, the same on every machine.
+Version 1 (float32 kernels: decodes only where the same kernels run) is still read."""
+VERSIONS = (1, 2)
 HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
 """magic, version, then the fields of Header in order (digests as 8 bytes each)."""
 HEADER_BYTES = HEADER.size + 8
@@ -69,7 +73,6 @@ MAX_GROUP = 64
 1 thread: 2,200 tokens/s one chunk at a time, 9,200 with 64)."""
 CACHE_BYTES = 1 << 30
 """Fewer chunks side by side where their key/value cache would exceed this (large models)."""
-FREQ_SCALE = float(1 << 24)
 DEVICES = ("cpu", "cuda")
 _ESCAPED = re.compile("([\udc80-\udcff]+)")
 """Runs of bytes that are not UTF-8, as decode(errors="surrogateescape") spells them."""
@@ -92,11 +95,18 @@ class CodecModel:
     model_hash: str
     """xxh3-64 of the checkpoint's manifest file: its identity."""
     tokenizer_hash: str
+    _fixed: FixedWeights | None = None
 
     @property
     def device(self) -> torch.device:
         """Where the model runs."""
         return next(self.model.parameters()).device
+
+    def fixed_weights(self) -> FixedWeights:
+        """The model's weights on the fixed-point grid (built on first use)."""
+        if self._fixed is None:
+            self._fixed = FixedWeights(self.model, self.device)
+        return self._fixed
 
 
 def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu") -> CodecModel:
@@ -197,62 +207,6 @@ def _to_ids(codec: CodecModel, data: bytes) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-class _Stepper:
-    """The model one position at a time with a key/value cache: logits (R, V) of position `pos` of R rows.
-
-    The same math as Transformer.forward (tests/test_codec.py compares them), restated for one position.
-    """
-
-    def __init__(self, model: Transformer, rows: int) -> None:
-        self.model = model
-        self.blocks = [cast(Block, block) for block in model.blocks]
-        self.rope = (
-            (cast(torch.Tensor, model.rope_cos), cast(torch.Tensor, model.rope_sin))
-            if model.cfg.pos == "rope"
-            else None
-        )
-        attn = self.blocks[0].attn
-        shape = (rows, attn.n_kv_heads, model.cfg.seq_len, attn.head_dim)
-        device = next(model.parameters()).device
-        # Only positions already written are read, so the cache needs no initial values.
-        self.keys = [torch.empty(shape, device=device) for _ in self.blocks]
-        self.values = [torch.empty(shape, device=device) for _ in self.blocks]
-
-    def __call__(self, tokens_R: torch.Tensor, pos: int) -> torch.Tensor:
-        m, R = self.model, tokens_R.shape[0]
-        x_R1D = m.tok_emb(tokens_R)[:, None]
-        if m.pos_emb is not None:
-            x_R1D = x_R1D + m.pos_emb.weight[pos]
-        for i, block in enumerate(self.blocks):
-            a = block.attn
-            qkv = a.qkv_proj(block.attn_norm(x_R1D)).view(R, 1, a.n_heads + 2 * a.n_kv_heads, a.head_dim)
-            q_R1HE, k_R1KE, v_R1KE = qkv.split([a.n_heads, a.n_kv_heads, a.n_kv_heads], dim=2)
-            q_RH1E, k_RK1E, v_RK1E = q_R1HE.transpose(1, 2), k_R1KE.transpose(1, 2), v_R1KE.transpose(1, 2)
-            if a.q_norm is not None and a.k_norm is not None:
-                q_RH1E, k_RK1E = a.q_norm(q_RH1E), a.k_norm(k_RK1E)
-            if self.rope is not None:
-                cos, sin = self.rope[0][pos : pos + 1], self.rope[1][pos : pos + 1]
-                q_RH1E, k_RK1E = apply_rope(q_RH1E, cos, sin), apply_rope(k_RK1E, cos, sin)
-            self.keys[i][:, :, pos] = k_RK1E[:, :, 0]
-            self.values[i][:, :, pos] = v_RK1E[:, :, 0]
-            y_RH1E = F.scaled_dot_product_attention(
-                q_RH1E,
-                self.keys[i][:, :, : pos + 1],
-                self.values[i][:, :, : pos + 1],
-                enable_gqa=a.n_kv_heads != a.n_heads,
-            )
-            x_R1D = x_R1D + a.out_proj(y_RH1E.transpose(1, 2).reshape(R, 1, -1))
-            x_R1D = x_R1D + block.mlp(block.mlp_norm(x_R1D))
-        return m.lm_head(m.final_norm(x_R1D))[:, 0]
-
-
-def _frequencies(logits_RV: torch.Tensor, vocab: int, eot: int) -> np.ndarray:
-    """Integer token frequencies (as float64, exact) from fp32 logits: what the range coder sees."""
-    z_RV = logits_RV[:, :vocab].float().cpu().double()
-    z_RV[:, eot] = -torch.inf  # never coded: the header holds the token count
-    return (torch.floor(torch.softmax(z_RV, dim=-1) * FREQ_SCALE) + 1).numpy()
-
-
 def _most_likely(vocab: int) -> float:
     """The largest probability the range coder gives any token: every other one keeps 1 of its 2**24."""
     return 1.0 - (vocab - 1) / FREQ_SCALE
@@ -287,11 +241,13 @@ def _code(
     coder: Any,
     decoding: bool,
     budget_bits: float = float("inf"),
+    version: int = VERSION,
 ) -> None:
     """Encode `tokens_N` into `coder`, or (decoding) fill `tokens_N` from it: one loop for both, so both
     compute the same probabilities (see the module docstring). Decoding stops with a TenxError once the
     tokens decoded carry more information than `budget_bits` (`code_bits` of the body): the code is then
-    exhausted, and what the range decoder gives after its end is made up of padding."""
+    exhausted, and what the range decoder gives after its end is made up of padding. `version` 1 runs the
+    float32 kernels, 2 the fixed-point rules."""
     family = constriction.stream.model.Categorical(perfect=False)
     vocab, eot, device = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.device
     starts = np.arange(0, len(tokens_N), chunk)
@@ -299,11 +255,13 @@ def _code(
     for g in range(0, len(starts), group):
         first_R = starts[g : g + group]
         length_R = np.minimum(chunk, len(tokens_N) - first_R)  # only the last chunk may be shorter
-        step = _Stepper(codec.model, len(first_R))
+        rows = len(first_R)
+        step = FloatStepper(codec.model, rows) if version == 1 else FixedStepper(codec.fixed_weights(), rows)
+        frequencies = float_frequencies if version == 1 else fixed_frequencies
         inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
         for s in range(int(length_R[0])):
             active = int(np.count_nonzero(length_R > s))
-            freqs = _frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
+            freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
             where = first_R[:active] + s
             if decoding:
                 tokens_N[where] = coder.decode(family, freqs)
@@ -322,7 +280,7 @@ def _code(
 def _group(model: Transformer) -> int:
     """Chunks side by side: MAX_GROUP, fewer where their key/value cache would pass CACHE_BYTES."""
     attn = cast(Block, model.blocks[0]).attn
-    per_row = 2 * len(model.blocks) * attn.n_kv_heads * model.cfg.seq_len * attn.head_dim * 4
+    per_row = 2 * len(model.blocks) * attn.n_kv_heads * model.cfg.seq_len * attn.head_dim * 8  # float64
     return max(1, min(MAX_GROUP, CACHE_BYTES // per_row))
 
 
@@ -359,10 +317,13 @@ def _hex_digest(hex_hash: str) -> bytes:
     return raw if len(raw) == 8 else _digest(hex_hash.encode("utf-8"))
 
 
-def compress_bytes(model: CodecModel | LoadedModel | str | Path, data: bytes, *, threads: int = 1) -> bytes:
+def compress_bytes(
+    model: CodecModel | LoadedModel | str | Path, data: bytes, *, threads: int = 1, version: int = VERSION
+) -> bytes:
     """`data` compressed with `model` (a run or checkpoint directory, or one loaded already) into a `.tenx`
     blob; stored verbatim when the model's code would be longer (random bytes: at most the header is added).
-    `threads`: torch threads while coding, recorded so decompression uses as many (1: the most portable)."""
+    `threads`: torch threads while coding (recorded; any count decodes a version-2 file). `version` 1 writes
+    the old kernel-dependent format (for tests of its reader)."""
     if not 1 <= threads <= 255:
         raise TenxError(f"--threads must be 1..255, got {threads}")
     codec = load_codec(model)
@@ -372,7 +333,7 @@ def compress_bytes(model: CodecModel | LoadedModel | str | Path, data: bytes, *,
     chunk, group = codec.model.cfg.seq_len, _group(codec.model)
     encoder = constriction.stream.queue.RangeEncoder()
     with _fixed_numerics(threads):
-        _code(codec, tokens, chunk, group, encoder, decoding=False)
+        _code(codec, tokens, chunk, group, encoder, decoding=False, version=version)
     code = encoder.get_compressed().astype("<u4").tobytes()
     stored = len(code) >= len(data)
     header = Header(
@@ -389,6 +350,7 @@ def compress_bytes(model: CodecModel | LoadedModel | str | Path, data: bytes, *,
         model_hash=_hex_digest(codec.model_hash),
         tokenizer_hash=_hex_digest(codec.tokenizer_hash),
         code_hash=_digest(data if stored else code),
+        version=version,
     ).pack()
     return header + (data if stored else code)
 
@@ -411,12 +373,14 @@ class Header:
     model_hash: bytes
     tokenizer_hash: bytes
     code_hash: bytes
+    version: int = VERSION
+    """Not a packed field: the byte after the magic."""
 
     def pack(self) -> bytes:
         """The header's HEADER_BYTES, its checksum included."""
-        fields = [*vars(self).values()]
+        fields = [*vars(self).values()][:-1]
         fields[1] = DEVICES.index(self.device)
-        packed = HEADER.pack(MAGIC, VERSION, *fields)
+        packed = HEADER.pack(MAGIC, self.version, *fields)
         return packed + _digest(packed)
 
     @property
@@ -435,13 +399,15 @@ def read_header(blob: bytes, name: str = "input") -> Header:
             f"{name} is truncated: {len(blob)} bytes, shorter than a tenx header ({HEADER_BYTES})"
         )
     _, version, threads, device, stored, *rest = HEADER.unpack_from(blob)
-    if version != VERSION:
-        raise TenxError(f"{name} has format version {version}; this tenx reads version {VERSION}")
+    if version not in VERSIONS:
+        raise TenxError(
+            f"{name} has format version {version}; this tenx reads versions {', '.join(map(str, VERSIONS))}"
+        )
     if _digest(blob[: HEADER.size]) != blob[HEADER.size : HEADER_BYTES]:
         raise TenxError(f"{name} is corrupt: its header does not match its checksum")
     if device >= len(DEVICES) or stored > 1 or 0 in (threads, rest[0], rest[1]):
         raise TenxError(f"{name} is corrupt: its header holds impossible values")
-    header = Header(threads, DEVICES[device], bool(stored), *rest)
+    header = Header(threads, DEVICES[device], bool(stored), *rest, version=version)
     if not header.stored and (header.tokens > header.length or bool(header.length) != bool(header.tokens)):
         raise TenxError(f"{name} is corrupt: {header.tokens} tokens cannot spell {header.length} bytes")
     body = len(blob) - HEADER_BYTES
@@ -478,8 +444,8 @@ def decompress_bytes(
         )
     if header.threads > MAX_THREADS:
         raise TenxError(f"{name} is corrupt: it asks for {header.threads} threads (at most {MAX_THREADS})")
-    codec = load_codec(model, device=header.device)
-    if codec.device.type != header.device:
+    codec = load_codec(model, device=header.device if header.version == 1 else "cpu")  # a loaded one: its own
+    if header.version == 1 and codec.device.type != header.device:
         raise TenxError(f"{name} was compressed on {header.device}; load the model there to decompress it")
     model_hash, tokenizer_hash = _hex_digest(codec.model_hash), _hex_digest(codec.tokenizer_hash)
     if (header.model_hash, header.tokenizer_hash) != (model_hash, tokenizer_hash):
@@ -507,7 +473,9 @@ def decompress_bytes(
         decoder = constriction.stream.queue.RangeDecoder(words)
         try:
             with _fixed_numerics(header.threads):
-                _code(codec, tokens, header.chunk, header.group, decoder, decoding=True, budget_bits=budget)
+                _code(
+                    codec, tokens, header.chunk, header.group, decoder, True, budget, version=header.version
+                )
         except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
             raise TenxError(f"{name} cannot be decoded with this model ({e})") from None
         except TenxError as e:
@@ -548,12 +516,15 @@ def decompress_file(
     dst: str | Path,
     force: bool = False,
     max_bytes: int = MAX_BYTES,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Decompress `.tenx` file `src` into `dst` (written atomically after its xxhash matched; an existing
-    `dst` only with `force`) and report the figures, as compress_file does."""
+    `dst` only with `force`) on `device` (a version-1 file: where it was compressed) and report the
+    figures, as compress_file does."""
     blob = _read(src, dst, force)
     started = time.perf_counter()
-    codec = load_codec(run, read_header(blob, str(src)).device)
+    header = read_header(blob, str(src))
+    codec = load_codec(run, header.device if header.version == 1 else device)
     loaded = time.perf_counter()
     data = decompress_bytes(codec, blob, name=str(src), max_bytes=max_bytes)
     coded = time.perf_counter()

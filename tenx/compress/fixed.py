@@ -1,0 +1,333 @@
+"""The model's next-token frequencies by arithmetic every machine rounds alike: `.tenx` files that decode on
+any CPU kind, thread count or GPU.
+
+A range decoder must see bit-identical probabilities to the encoder's. Floating-point results depend on the
+kernel: a sum of 192 products comes out differently with AVX2, AVX-512, another thread count or a GPU's
+order; exp and tanh differ between vector math libraries; one changed last bit of one probability and the
+decoder reads garbage (a file compressed on an AMD EPYC was refused on an Intel Xeon). `FixedStepper`
+computes the model's logits one position at a time, as codec's float `_Stepper` does, under rules that
+leave no such freedom:
+
+- **Every sum is a sum of integers below 2**53**, which float64 adds exactly in any order. Before each
+  matmul the activations are rounded to integers of at most 2**15 on a power-of-two grid per row
+  (`to_grid`), and each weight row once to integers of at most 2**15 (`FixedWeights`): a product is below
+  2**30 and a dot product of up to 2**22 of them below 2**52, so any BLAS, blocking, thread count or GPU
+  gives the same bits. Normalisation statistics are integer sums too (the row on a grid of 2**20). The
+  attention's values go on one fixed grid per layer (products with the softmax's integer weights summed over
+  positions), its exponent from a bound of |v| that the weights prove: |v_j| <= ||W_j|| * ||norm(x)|| + |b_j|
+  with ||norm(x)|| <= sqrt(d) * max|gain| (+ ||bias||), computed from the integer weights.
+- **Elementwise arithmetic is +, -, *, / and sqrt in float64**, which IEEE 754 rounds correctly on every
+  CPU and GPU, one operation per torch call (so no kernel fuses a multiply-add), plus exact operations
+  (round, floor, max, comparisons, scaling by powers of two built from their bits).
+- **exp, tanh, sin and cos are polynomials** of those operations (`det_exp`, `det_tanh`, `det_sin_cos`,
+  scalar `det_log`), evaluated in a fixed order; RoPE's tables come from them.
+
+The softmax over the vocabulary becomes integer frequencies floor(exp(z - max z) * 2**24) + 1 exactly as on
+the float path. The price is float64 arithmetic and ~15-bit activations (the figures: docs/eval.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from tenx.model.transformer import Block, Transformer
+
+GRID_BITS = 15
+"""Magnitude bits of the integers a matmul multiplies (activations and weights)."""
+NORM_BITS = 20
+"""Magnitude bits of a row's integers when its normalisation statistics are summed."""
+WEIGHT_BITS = 20
+"""Bits of the attention weights (integers of at most 2**20 per position)."""
+EXACT_BITS = 52
+"""What float64 sums exactly (2**53; one bit to spare)."""
+FREQ_BITS = 24
+"""Integer frequencies of the coder: floor(exp(z - max) * 2**24) + 1 (as the float path's)."""
+EXP_LIMIT = 700.0
+"""det_exp's argument is clamped to +-700 (exp(-700) is still a normal float64)."""
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_TWO_PI = 6.283185307179586
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent (integer exponents in [-1022, 1023]) as float64, built from its bits: exact everywhere."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def det_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in float64 (relative error below 1e-12), the same bits on every machine: x = n ln2 + r with
+    |r| <= ln2 / 2, exp(r) by a degree-10 Taylor polynomial in Horner order, times 2**n."""
+    x = x.clamp(-EXP_LIMIT, EXP_LIMIT)
+    t = x * _LOG2E
+    n = torch.round(t)
+    r = (t - n) * _LN2
+    p = r * (1.0 / math.factorial(10))
+    for k in range(9, 0, -1):
+        p = p + 1.0 / math.factorial(k)
+        p = p * r
+    p = p + 1.0
+    return p * pow2(n)
+
+
+def det_tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x) = 1 - 2 / (exp(2x) + 1) by det_exp."""
+    e = det_exp(x * 2.0)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+def det_sin_cos(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin a, cos a) in float64 by IEEE operations alone: a reduced to [-pi, pi], Taylor series of a / 8,
+    three angle doublings."""
+    r = a - torch.round(a / _TWO_PI) * _TWO_PI
+    h = r * 0.125
+    h2 = h * h
+    s = torch.full_like(h, 0.0)
+    c = torch.full_like(h, 0.0)
+    for k in range(8, -1, -1):  # sin h = sum (-1)^k h^(2k+1)/(2k+1)!, cos h = sum (-1)^k h^(2k)/(2k)!
+        s = s * h2
+        s = s + (-1) ** k / math.factorial(2 * k + 1)
+        c = c * h2
+        c = c + (-1) ** k / math.factorial(2 * k)
+    s = s * h
+    for _ in range(3):
+        s, c = (s * c) * 2.0, (c * c) - (s * s)
+    return s, c
+
+
+def det_log(x: float) -> float:
+    """log(x) of a positive Python float by IEEE operations alone (libm's log may differ in its last bit
+    between platforms): x = m 2**e, log m = 2 atanh((m - 1)/(m + 1)) by its series."""
+    m, e = math.frexp(x)
+    u = (m - 1.0) / (m + 1.0)
+    u2, term, total = u * u, u, 0.0
+    for k in range(40):
+        total = total + term / (2 * k + 1)
+        term = term * u2
+    return e * _LN2 + 2.0 * total
+
+
+def to_grid(x: torch.Tensor, bits: int = GRID_BITS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) as integers q of at most 2**bits in magnitude and a power of two per row: x ~ q * scale."""
+    peak = x.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(torch.where(peak > 0, peak, torch.ones_like(peak)))  # peak < 2**exponent
+    scale = pow2(exponent.to(torch.int64) - bits)
+    return torch.round(x / scale), scale
+
+
+@dataclass
+class _Linear:
+    """A linear layer on the grid: integer weights (out, in) transposed, their power-of-two row scales."""
+
+    q_IO: torch.Tensor
+    scale_O: torch.Tensor
+    bias_O: torch.Tensor | None
+
+    @staticmethod
+    def of(layer: nn.Linear, device: torch.device) -> _Linear:
+        q_OI, scale_O1 = to_grid(layer.weight.detach().to(device, torch.float64))
+        bias = None if layer.bias is None else layer.bias.detach().to(device, torch.float64)
+        return _Linear(q_OI.t().contiguous(), scale_O1[:, 0], bias)
+
+    def __call__(self, x_RI: torch.Tensor) -> torch.Tensor:
+        q_RI, scale_R1 = to_grid(x_RI)
+        y = (q_RI @ self.q_IO) * scale_R1  # an exact integer sum, then exact scaling by powers of two
+        y = y * self.scale_O
+        return y if self.bias_O is None else y + self.bias_O
+
+    def row_norms(self) -> torch.Tensor:
+        """The Euclidean norm of each weight row (out,), from the integer weights: an exact sum, one sqrt."""
+        return torch.sqrt((self.q_IO * self.q_IO).sum(dim=0)) * self.scale_O
+
+
+@dataclass
+class _Norm:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+    rms: bool
+
+    @staticmethod
+    def of(module: nn.Module, device: torch.device) -> _Norm:
+        bias = getattr(module, "bias", None)
+        return _Norm(
+            module.weight.detach().to(device, torch.float64),
+            None if bias is None else bias.detach().to(device, torch.float64),
+            float(cast(float, module.eps)),
+            not isinstance(module, nn.LayerNorm),
+        )
+
+    def __call__(self, x_RD: torch.Tensor) -> torch.Tensor:
+        q_RD, scale_R1 = to_grid(x_RD, NORM_BITS)
+        d = float(x_RD.shape[-1])
+        square_R1 = (q_RD * q_RD).sum(dim=-1, keepdim=True) / d
+        if self.rms:
+            centred, var = q_RD, square_R1
+        else:
+            mean_R1 = q_RD.sum(dim=-1, keepdim=True) / d
+            centred, var = q_RD - mean_R1, square_R1 - mean_R1 * mean_R1
+        var = var * scale_R1
+        var = var * scale_R1
+        y = (centred * scale_R1) / torch.sqrt(var + self.eps)
+        y = y * self.weight
+        return y if self.bias is None else y + self.bias
+
+    def output_bound(self, d: int) -> float:
+        """A bound of ||norm(x)||_2 for any x: sqrt(d) * max|gain| + ||bias||."""
+        bound = math.sqrt(d) * float(self.weight.abs().max())
+        if self.bias is not None:
+            bound += math.sqrt(float((self.bias * self.bias).sum()))
+        return bound
+
+
+@dataclass
+class _Layer:
+    attn_norm: _Norm
+    qkv: _Linear
+    out: _Linear
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    mlp_norm: _Norm
+    up: _Linear
+    down: _Linear
+    value_exponent: int
+    """The power of two of the layer's value grid."""
+    value_scale: float = 1.0
+    """2**value_exponent."""
+
+
+class FixedWeights:
+    """A model's weights on the grid, its RoPE tables and value grids: built once per codec and device."""
+
+    def __init__(self, model: Transformer, device: torch.device) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.device = device
+        self.gated = cfg.mlp == "swiglu"
+        blocks = [cast(Block, b) for b in model.blocks]
+        attn = blocks[0].attn
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.seq_len = cfg.seq_len
+        self.tok_emb = model.tok_emb.weight.detach().to(device, torch.float64)
+        self.pos_emb = (
+            None if model.pos_emb is None else model.pos_emb.weight.detach().to(device, torch.float64)
+        )
+        self.final_norm = _Norm.of(model.final_norm, device)
+        self.head = _Linear.of(model.lm_head, device)
+        # the values' integers times the attention weights' (2**20), summed over seq_len positions
+        self.value_bits = EXACT_BITS - WEIGHT_BITS - max(1, math.ceil(math.log2(cfg.seq_len)))
+        self.layers = [self._layer(b, cfg.d_model or 0) for b in blocks]
+        self.rope = self._rope_tables(cfg.rope_theta) if cfg.pos == "rope" else None
+
+    def _layer(self, block: Block, d: int) -> _Layer:
+        a, dev = block.attn, self.device
+        layer = _Layer(
+            attn_norm=_Norm.of(block.attn_norm, dev),
+            qkv=_Linear.of(a.qkv_proj, dev),
+            out=_Linear.of(a.out_proj, dev),
+            q_norm=None if a.q_norm is None else _Norm.of(a.q_norm, dev),
+            k_norm=None if a.k_norm is None else _Norm.of(a.k_norm, dev),
+            mlp_norm=_Norm.of(block.mlp_norm, dev),
+            up=_Linear.of(block.mlp.up_proj, dev),
+            down=_Linear.of(block.mlp.down_proj, dev),
+            value_exponent=0,
+        )
+        start = (a.n_heads + a.n_kv_heads) * a.head_dim  # the value rows of the fused projection
+        norms = layer.qkv.row_norms()[start:]
+        bias = 0.0 if layer.qkv.bias_O is None else float(layer.qkv.bias_O[start:].abs().max())
+        bound = float(norms.max()) * layer.attn_norm.output_bound(d) + bias
+        _, exponent = math.frexp(max(bound, 1e-30) * 1.01)  # margin for the grid rounding of x
+        layer.value_exponent = exponent - self.value_bits
+        layer.value_scale = math.ldexp(1.0, layer.value_exponent)  # exact
+        return layer
+
+    def _rope_tables(self, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.head_dim // 2
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=self.device) / self.head_dim
+        inv_freq = det_exp(steps * -det_log(theta))
+        angles = torch.arange(self.seq_len, dtype=torch.float64, device=self.device)[:, None] * inv_freq
+        sin, cos = det_sin_cos(angles)
+        assert sin.shape[-1] == half
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class FixedStepper:
+    """Logits (R, V) of position `pos` of R rows, one position at a time with a key/value cache, under the
+    rules of the module docstring. The same math as Transformer.forward (tests/test_codec.py compares)."""
+
+    def __init__(self, weights: FixedWeights, rows: int) -> None:
+        w = self.w = weights
+        shape = (rows, w.n_kv_heads, w.seq_len, w.head_dim)
+        self.keys = [torch.zeros(shape, dtype=torch.float64, device=w.device) for _ in w.layers]
+        self.key_scales = [torch.zeros(shape[:3], dtype=torch.float64, device=w.device) for _ in w.layers]
+        self.values = [torch.zeros(shape, dtype=torch.float64, device=w.device) for _ in w.layers]
+
+    def __call__(self, tokens_R: torch.Tensor, pos: int) -> torch.Tensor:
+        w = self.w
+        R, H, K, E = tokens_R.shape[0], w.n_heads, w.n_kv_heads, w.head_dim
+        x = w.tok_emb[tokens_R]
+        if w.pos_emb is not None:
+            x = x + w.pos_emb[pos]
+        for i, layer in enumerate(w.layers):
+            qkv = layer.qkv(layer.attn_norm(x)).view(R, H + 2 * K, E)
+            q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            if w.rope is not None:
+                q, k = _rotate(q, w.rope[0][pos], w.rope[1][pos]), _rotate(k, w.rope[0][pos], w.rope[1][pos])
+            k_int, k_scale = to_grid(k)
+            self.keys[i][:, :, pos] = k_int
+            self.key_scales[i][:, :, pos] = k_scale[..., 0]
+            v_scale = layer.value_scale
+            limit = float(2**w.value_bits)
+            self.values[i][:, :, pos] = torch.round(v / v_scale).clamp(-limit, limit)
+            x = x + layer.out(self._attend(i, q, pos, v_scale))
+            h = layer.up(layer.mlp_norm(x))
+            if w.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = (gate / (det_exp(-gate) + 1.0)) * up
+            else:
+                inner = (h * h) * h
+                inner = inner * 0.044715
+                inner = (h + inner) * math.sqrt(2.0 / math.pi)
+                h = (h * 0.5) * (det_tanh(inner) + 1.0)
+            x = x + layer.down(h)
+        return w.head(w.final_norm(x))
+
+    def _attend(self, i: int, q_RHE: torch.Tensor, pos: int, v_scale: float) -> torch.Tensor:
+        w = self.w
+        R, H, K, E = q_RHE.shape[0], w.n_heads, w.n_kv_heads, w.head_dim
+        group = H // K  # query heads k*group .. (k+1)*group - 1 read key/value head k
+        q_int, q_scale = to_grid(q_RHE)  # (R, H, E), (R, H, 1)
+        q_int = q_int.view(R, K, group, E).transpose(-1, -2)  # (R, K, E, G)
+        scores = self.keys[i][:, :, : pos + 1] @ q_int  # (R, K, T, G): exact integer dot products
+        scores = scores * self.key_scales[i][:, :, : pos + 1, None]
+        scores = scores.transpose(-1, -2)  # (R, K, G, T)
+        scores = scores * q_scale.view(R, K, group, 1)
+        scores = scores * (1.0 / math.sqrt(E))
+        z = scores - scores.amax(dim=-1, keepdim=True)
+        weights = torch.floor(det_exp(z) * float(2**WEIGHT_BITS))  # integers of at most 2**20
+        y = weights @ self.values[i][:, :, : pos + 1]  # (R, K, G, E): exact, below 2**52 by the value grid
+        y = y / weights.sum(dim=-1, keepdim=True)
+        return (y * v_scale).reshape(R, H * E)
+
+
+def fixed_frequencies(logits_RV: torch.Tensor, vocab: int, eot: int) -> np.ndarray:
+    """Integer token frequencies floor(exp(z - max z) * 2**24) + 1 (end-of-document: 1) from the fixed
+    stepper's logits, as float64 (exact)."""
+    z = logits_RV[:, :vocab]
+    z = z - z.amax(dim=-1, keepdim=True)
+    freqs = torch.floor(det_exp(z) * float(2**FREQ_BITS)) + 1.0
+    freqs[:, eot] = 1.0
+    return freqs.cpu().numpy()
