@@ -167,6 +167,8 @@ def register(plan_subparsers: Any) -> None:
 
 
 def _choose_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.plan.estimate import MAX_VOCAB
+
     p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
     add_set(p, "config override")
     p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
@@ -179,21 +181,27 @@ def _choose_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--vocab",
-        type=at_least(int, 1),
+        type=at_least(int, 1, MAX_VOCAB),
         help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
         "50257, said to be assumed)",
     )
     p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
-    p.add_argument("--json", help="also write every choice as JSON here")
+    p.add_argument("--json", help="also write every choice as JSON here (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
 
 
 def cmd_choose(args: argparse.Namespace) -> None:
     """`tenx plan choose`: the choices for the budget, best first (and every one as JSON with --json)."""
-    from tenx.plan.estimate import load_cluster, plan_vocab
+    from tenx.plan.estimate import cluster_file, load_cluster, plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
-    from tenx.utils.io import atomic_write_json
+    from tenx.utils.io import atomic_write_json, check_output_file
 
-    run = load_run_config(resolve_config_path(args.config), args.set)
+    config = resolve_config_path(args.config)
+    out = None
+    if args.json is not None:
+        inputs = (config, cluster_file(args.cluster), args.fit)
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
+    run = load_run_config(config, args.set)
     vocab = plan_vocab(run, args.vocab)
     result = choose(
         run, load_cluster(args.cluster), load_fit(args.fit), args.budget, vocab=vocab.size, days=args.days
@@ -201,6 +209,6 @@ def cmd_choose(args: argparse.Namespace) -> None:
     result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
     print(vocab.describe())
     print(format_choices(result, args.top))
-    if args.json:
-        atomic_write_json(Path(args.json), result)
+    if out is not None:
+        atomic_write_json(out, result)
         print(f"wrote {args.json}")

@@ -7,13 +7,15 @@ the model statistics, as every `monitor.stats_every`-th step of a run does, so t
 (the estimate counts them when `monitor.stats_every` > 0). The fit: the compute
 efficiency that makes the predicted step time equal the measured one, and the activation factor that makes
 the predicted memory equal the measured one (the part of it the formula attributes to activations). The
-factors are kept per machine in TENX_CACHE_DIR/plan-calibration.json, with the device they were measured
-on, and applied by `tenx plan` to the cluster file of that name only on that device.
+factors are kept per machine in plan-calibration.json in tenx's cache (tenx.utils.io.cache_dir: $TENX_CACHE_DIR
+when set and not empty), with the device they were measured on, and applied by `tenx plan` to the cluster file
+of that name only on that device; a damaged entry is an error naming the file and the field, never used.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -27,7 +29,7 @@ from tenx.errors import TenxError
 from tenx.hardware import device_name, pick_device
 from tenx.plan.estimate import GB, Cluster, estimate
 from tenx.rundir import RunDir
-from tenx.utils.io import read_jsonl
+from tenx.utils.io import cache_dir, read_jsonl
 
 
 def _rss() -> int:
@@ -201,8 +203,47 @@ def fit_all(
 
 
 def calibration_path() -> Path:
-    root = Path(os.environ.get("TENX_CACHE_DIR", Path.home() / ".cache" / "tenx"))
-    return root / "plan-calibration.json"
+    """Where `--measure` keeps the factors: plan-calibration.json in tenx's cache (tenx.utils.io.cache_dir)."""
+    return cache_dir() / "plan-calibration.json"
+
+
+FACTOR_RANGES = {
+    "compute_efficiency": (0.0, 1.0, False),
+    "activation_factor": (0.0, 100.0, False),
+    "runtime_gb": (0.0, 1e4, True),
+    "step_overhead_s": (0.0, 1e3, True),
+    "collective_latency_s": (0.0, 10.0, True),
+    "communicator_gb": (0.0, 1e3, True),
+}
+"""Each kept factor's (low, high, whether low itself is allowed): a value outside is not a measurement (a
+compute efficiency of 0 would divide the step time by zero)."""
+
+
+def _bad_calibration(what: str) -> TenxError:
+    return TenxError(
+        f"{calibration_path()}: {what}; delete the file, or rerun `tenx plan --measure` to measure again"
+    )
+
+
+def _checked_factors(cluster_name: str, factors: Any) -> dict[str, Any]:
+    """The saved entry of `cluster_name`, every factor in it a finite number in its range (a TenxError
+    naming the file and the field otherwise)."""
+    if not isinstance(factors, dict):
+        raise _bad_calibration(f"the entry of {cluster_name!r} is not an object")
+    for key, (low, high, low_allowed) in FACTOR_RANGES.items():
+        if key not in factors:
+            continue
+        value = factors[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (
+            number
+            and math.isfinite(value)
+            and value <= high
+            and (value >= low if low_allowed else value > low)
+        ):
+            bound = f"{'[' if low_allowed else '('}{low:g}, {high:g}]"
+            raise _bad_calibration(f"{cluster_name}.{key} = {value!r} is not a number in {bound}")
+    return factors
 
 
 def save_calibration(cluster_name: str, factors: dict[str, float], measured_on: str) -> Path:
@@ -226,13 +267,18 @@ def apply_calibration(cluster: Cluster, device: str) -> str | None:
     """Use the factors saved for this cluster's name when they were measured on `device` (this machine's,
     tenx.hardware.device_name): None when none were saved; "applied"; else why they were not (factors of
     another device would silently mis-predict this one: a CPU's for an H100 node)."""
+    path = calibration_path()
+    if not path.exists():
+        return None
     try:
-        known = json.loads(calibration_path().read_text())
-    except (OSError, ValueError):
+        known = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _bad_calibration(f"unreadable ({e})") from None
+    if not isinstance(known, dict):
+        raise _bad_calibration("not a JSON object of clusters' factors")
+    if cluster.name not in known:
         return None
-    factors = known.get(cluster.name) if isinstance(known, dict) else None
-    if not isinstance(factors, dict):
-        return None
+    factors = _checked_factors(cluster.name, known[cluster.name])
     measured_on = factors.get("measured_on")
     if measured_on != device:
         where = f"on {measured_on}" if isinstance(measured_on, str) else "without the device they came from"
@@ -240,17 +286,9 @@ def apply_calibration(cluster: Cluster, device: str) -> str | None:
             f"factors of {cluster.name!r} in {calibration_path()} were measured {where}, not on this machine's "
             f"{device}: not applied (measure here with --measure)"
         )
-    for key, top in (
-        ("compute_efficiency", 1.0),
-        ("activation_factor", 100.0),
-        ("runtime_gb", 1e4),
-        ("step_overhead_s", 1e3),
-        ("collective_latency_s", 10.0),
-        ("communicator_gb", 1e3),
-    ):
-        value = factors.get(key)
-        if isinstance(value, (int, float)) and 0 <= value <= top:
-            setattr(cluster.cluster, key, float(value))
+    for key in FACTOR_RANGES:
+        if key in factors:
+            setattr(cluster.cluster, key, float(factors[key]))
     return "applied"
 
 

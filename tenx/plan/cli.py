@@ -7,10 +7,12 @@ tenx/plan/allocate.py), imported only when `tenx plan` is used."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from tenx.utils.cli import add_set, at_least, subcommand
+from tenx.utils.cli import add_set, at_least, counted, subcommand
+
+MAX_MEASURE_STEPS = 1000
+"""The most `--measure --steps`: a calibration needs a handful, and a billion would train for days."""
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +23,7 @@ def register(subparsers: Any) -> None:
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from tenx.plan import allocate, failsim, shapes
+    from tenx.plan.estimate import MAX_VOCAB
 
     parser.add_argument("--config", help="the run config (a .toml path or a shipped name)")
     add_set(parser, "config override")
@@ -38,7 +41,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--vocab",
-        type=at_least(int, 1),
+        type=at_least(int, 1, MAX_VOCAB),
         help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
         "50257, said to be assumed)",
     )
@@ -58,11 +61,18 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="train the config a few steps here (micro-batch B and 2B on one process, and --ranks processes "
         "if more than 1), compare with the prediction, fit and keep the cluster's factors",
     )
-    parser.add_argument("--steps", type=at_least(int, 1), default=6, help="--measure: steps per measurement")
+    parser.add_argument(
+        "--steps",
+        type=at_least(int, 1),
+        default=6,
+        help=f"--measure: steps per measurement, at most {MAX_MEASURE_STEPS} (two warm up, the median of the rest "
+        "is the step time: a few are enough, and each case runs in full)",
+    )
     parser.add_argument(
         "--no-calibration", action="store_true", help="use the cluster file's factors, not the measured ones"
     )
-    parser.add_argument("--json", help="also write the plan as JSON here")
+    parser.add_argument("--json", help="also write the plan as JSON here (a new file, unless --force)")
+    parser.add_argument("--force", action="store_true", help="--json: replace an existing file")
     sub = parser.add_subparsers(dest="plan_command")
     shapes.register(sub)
     failsim.register(sub)
@@ -74,18 +84,33 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from tenx.errors import TenxError
     from tenx.hardware import device_name, pick_device
     from tenx.plan.calibrate import apply_calibration, calibration_path
-    from tenx.plan.estimate import estimate, format_estimate, load_cluster, plan_vocab
+    from tenx.plan.estimate import cluster_file, estimate, format_estimate, load_cluster, plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
-    from tenx.utils.io import atomic_write_json
+    from tenx.utils.io import atomic_write_json, check_output_file
 
     if not args.config or not args.cluster:
         raise TenxError(
             "tenx plan needs --config CFG and --cluster CLUSTER (or a subcommand: shapes, failures, choose)"
         )
+    out = None
+    if args.json is not None:
+        inputs = (resolve_config_path(args.config), cluster_file(args.cluster))
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
+    if args.measure and args.steps > MAX_MEASURE_STEPS:
+        raise TenxError(
+            f"--steps {args.steps}: --measure takes at most {MAX_MEASURE_STEPS} steps per case (a few are enough)"
+        )
     run = load_run_config(resolve_config_path(args.config), args.set)
     vocab = plan_vocab(run, args.vocab)
     print(vocab.describe())
     cluster = load_cluster(args.cluster)
+    if args.ranks is not None and args.ranks > cluster.accelerators and not args.measure:
+        raise TenxError(
+            f"--ranks {args.ranks}: cluster {cluster.name!r} ({cluster_file(args.cluster)}) has "
+            f"{counted(cluster.accelerators, 'accelerator')} ({cluster.node.accelerators} per node x "
+            f"{counted(cluster.cluster.nodes, 'node')}): plan at most "
+            f"{cluster.accelerators} ranks, or describe a larger cluster"
+        )
     calibration = None
     if args.measure:
         calibration = _measure(args, cluster, vocab.size)
@@ -109,10 +134,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         diloco_every=args.diloco_every,
     )
     print(format_estimate(plan, cluster))
-    if args.json:
+    if out is not None:
         record = {"cluster": cluster.name, "vocab": vocab.size, "vocab_source": vocab.source}
         record = {**record, "vocab_assumed": vocab.assumed, **plan.to_dict()}
-        atomic_write_json(Path(args.json), {**record, "calibration": calibration} if calibration else record)
+        atomic_write_json(out, {**record, "calibration": calibration} if calibration else record)
         print(f"wrote {args.json}")
 
 

@@ -66,6 +66,8 @@ GB = 1e9
 DEFAULT_VOCAB = 50257
 """GPT-2's vocabulary: what a plan assumes, and says it assumes, when neither --vocab, model.vocab_size
 nor prepared data names one."""
+MAX_VOCAB = 2**24
+"""The largest `--vocab` a plan takes (16,777,216): 64 times the largest vocabularies in use (256k)."""
 
 
 @dataclass
@@ -133,15 +135,20 @@ class Cluster:
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 
-def load_cluster(name: str, overrides: list[str] | None = None) -> Cluster:
-    """A cluster file, or the name of a shipped one (configs/clusters/NAME.toml)."""
+def cluster_file(name: str) -> Path:
+    """The file `--cluster NAME` names: a path, or the name of a shipped one (configs/clusters/NAME.toml)."""
     path = Path(name)
     if not path.exists() and (CLUSTER_DIR / f"{name}.toml").exists():
         path = CLUSTER_DIR / f"{name}.toml"
     if not path.exists():
         shipped = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.toml")))
         raise ConfigError(f"--cluster {name!r}: no such file or shipped cluster (shipped: {shipped})")
-    return cfglib.load(Cluster, path, overrides)
+    return path
+
+
+def load_cluster(name: str, overrides: list[str] | None = None) -> Cluster:
+    """A cluster file, or the name of a shipped one (configs/clusters/NAME.toml)."""
+    return cfglib.load(Cluster, cluster_file(name), overrides)
 
 
 def _bytes_per_activation(dtype: str) -> int:

@@ -41,6 +41,15 @@ from scipy.optimize import brentq
 
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
+from tenx.plan.failure_limits import (
+    MAX_COUNTS,
+    MAX_DAYS,
+    MAX_GPUS,
+    MAX_REPLICAS,
+    MAX_SIM_EVENTS,
+    REPLICA_COST_EVENTS,
+    check_failure_inputs,
+)
 from tenx.plan.failure_rates import DAY_S, FailureRates
 from tenx.utils.cli import above, at_least, subcommand
 
@@ -93,7 +102,9 @@ def semi_sync_goodput(
 ) -> float:
     """Exact renewal goodput of one of `groups` replica groups (each fails at 1/groups the job's rate)."""
     m = groups * mtbf_s
-    lost_in_up = m - sync_s / math.expm1(sync_s / m) if sync_s > 0 else 0.0
+    ratio = sync_s / m
+    # syncs so rare that a group practically never reaches one: all its up time is lost (e^700 overflows)
+    lost_in_up = m if ratio > 700 else m - sync_s / math.expm1(ratio) if sync_s > 0 else 0.0
     return (m - lost_in_up) / (m + restart_s + detect_s)
 
 
@@ -190,16 +201,70 @@ def simulate_semi_sync(
     horizon = days * DAY_S
     times = np.sort(rng.uniform(0, horizon, rng.poisson(horizon / mtbf_s)))
     owners = rng.integers(0, groups, times.size)
-    up_since = np.zeros(groups)  # when each group last came back up (its sync clock restarts there)
+    up_since: dict[
+        int, float
+    ] = {}  # when a group last came back up (its sync clock restarts there; 0: never down)
     lost = 0.0
     for t, g in zip(times.tolist(), owners.tolist()):
-        if t < up_since[g]:
+        since = up_since.get(g, 0.0)
+        if t < since:
             continue  # the group is already down: the failure is absorbed by its restart
-        age = (t - up_since[g]) % sync_s if sync_s > 0 else 0.0
+        age = (t - since) % sync_s if sync_s > 0 else 0.0
         back = t + detect_s + restart_s
         lost += age + min(back, horizon) - t
         up_since[g] = back
     return 1.0 - lost / (groups * horizon)
+
+
+def expected_sim_events(
+    mtbf_s: float,
+    interval_s: float,
+    save_cost_s: float,
+    restart_s: float,
+    detect_s: float,
+    days: float,
+    groups: int,
+) -> float:
+    """The events one replica of `simulate_sync` (and of `simulate_semi_sync` when groups >= 2) draws on
+    average: the span over the mean time one loop iteration advances, plus the span's failures."""
+    horizon, segment = days * DAY_S, interval_s + save_cost_s
+    advance = -math.expm1(-segment / mtbf_s) * (
+        mtbf_s + restart_s + detect_s
+    )  # E[min(x, seg)] + P(x<seg)(R+D)
+    events = horizon / advance if advance > 0 else math.inf
+    return events + (horizon / mtbf_s if groups >= 2 else 0.0)
+
+
+def check_simulation_size(
+    gpus_list: list[float],
+    failures: FailureRates | None,
+    save_cost_s: float,
+    restart_s: float,
+    detect_s: float,
+    groups: int | None,
+    min_group_gpus: int,
+    days: float,
+    replicas: int,
+) -> None:
+    """Refuse a simulation of more than MAX_SIM_EVENTS expected events, naming the largest --days that fits."""
+    events = 0.0
+    for g in gpus_list:
+        m = job_mtbf_s(g, failures)
+        k = groups if groups is not None else choose_groups(g, min_group_gpus)
+        tau = exact_interval_s(save_cost_s, m)
+        events += replicas * expected_sim_events(m, tau, save_cost_s, restart_s, detect_s, days, k)
+    overhead = len(gpus_list) * replicas * REPLICA_COST_EVENTS
+    if events + overhead <= MAX_SIM_EVENTS:
+        return
+    if overhead < MAX_SIM_EVENTS and math.isfinite(events):
+        fits = f"at these settings the largest --days is {days * (MAX_SIM_EVENTS - overhead) / events:.3g}"
+    else:
+        fits = "no --days fits at these settings"
+    raise TenxError(
+        f"--days {days:g} x --replicas {replicas} at --gpus up to {max(gpus_list):g} would simulate about "
+        f"{events + overhead:.3g} failures and saves, more than the {MAX_SIM_EVENTS:,} allowed: {fits}; "
+        "or lower --replicas or --gpus, or pass --no-sim for the closed forms only"
+    )
 
 
 def _mean_ci(samples: list[float]) -> tuple[float, float]:
@@ -223,7 +288,13 @@ def failure_table(
     failures: FailureRates | None = None,
 ) -> list[Row]:
     """The failure budget at each accelerator count under `failures` (Llama 3's rates by default);
-    `groups=None` picks k by the group-size rule."""
+    `groups=None` picks k by the group-size rule. Inputs that make the figures meaningless or the simulation
+    endless are refused first (`check_failure_inputs`, `check_simulation_size`)."""
+    check_failure_inputs(gpus_list, save_cost_s, restart_s, detect_s, groups, sync_s, days, replicas)
+    if simulate:
+        check_simulation_size(
+            gpus_list, failures, save_cost_s, restart_s, detect_s, groups, min_group_gpus, days, replicas
+        )
     rows = []
     for i, g in enumerate(gpus_list):
         m = job_mtbf_s(g, failures)
@@ -368,9 +439,13 @@ def _gpu_counts(text: str) -> list[float]:
             value = float(item)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"each count must be a number > 0, got {item!r} in {text!r}")
+        if not (math.isfinite(value) and 0 < value <= MAX_GPUS):
+            raise argparse.ArgumentTypeError(
+                f"each count must be a number > 0 and at most {MAX_GPUS:.0e}, got {item!r} in {text!r}"
+            )
         counts.append(value)
+    if len(counts) > MAX_COUNTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_COUNTS} counts, got {len(counts)}")
     return counts
 
 
@@ -385,40 +460,73 @@ def _failures_arguments(p: argparse.ArgumentParser) -> None:
         help="a cluster file or a shipped one whose [failures] rates to use (default: Llama 3's)",
     )
     p.add_argument(
-        "--gpus", type=_gpu_counts, default="1e3,1e4,1e5,1e6,1e7", help="comma-separated accelerator counts"
+        "--gpus",
+        type=_gpu_counts,
+        default="1e3,1e4,1e5,1e6,1e7",
+        help=f"comma-separated accelerator counts, each at most {MAX_GPUS:.0e}, at most {MAX_COUNTS} of them",
+    )
+    span = "at most the simulated span, --days x 86400 s: a longer one makes every goodput zero"
+    p.add_argument(
+        "--save-cost-s",
+        type=above(float, 0),
+        default=60.0,
+        help=f"seconds a checkpoint save stalls the job ({span})",
     )
     p.add_argument(
-        "--save-cost-s", type=above(float, 0), default=60.0, help="seconds a checkpoint save stalls the job"
+        "--restart-s",
+        type=at_least(float, 0),
+        default=600.0,
+        help=f"seconds to restart (or heal a group; {span})",
     )
     p.add_argument(
-        "--restart-s", type=at_least(float, 0), default=600.0, help="seconds to restart (or heal a group)"
+        "--detect-s",
+        type=at_least(float, 0),
+        default=0.0,
+        help=f"seconds from a failure to its detection ({span})",
     )
     p.add_argument(
-        "--detect-s", type=at_least(float, 0), default=0.0, help="seconds from a failure to its detection"
-    )
-    p.add_argument(
-        "--groups", type=_groups, default="auto", help="semi-synchronous replica groups: auto or N"
+        "--groups",
+        type=_groups,
+        default="auto",
+        help="semi-synchronous replica groups: auto or N (at most the smallest --gpus count: a group holds one)",
     )
     p.add_argument(
         "--min-group-gpus", type=at_least(int, 1), default=1024, help="auto: accelerators a group must hold"
     )
     p.add_argument(
-        "--sync-s", type=at_least(float, 0), default=600.0, help="seconds between semi-synchronous syncs"
+        "--sync-s",
+        type=above(float, 0),
+        default=600.0,
+        help=f"seconds between semi-synchronous syncs, > 0 (0 would be a sync that never ends; {span})",
     )
-    p.add_argument("--days", type=above(float, 0), default=30.0, help="simulated days per replica")
     p.add_argument(
-        "--replicas", type=at_least(int, 2), default=8, help="independent simulations (for the 95%% CI)"
+        "--days",
+        type=above(float, 0, MAX_DAYS),
+        default=30.0,
+        help=f"simulated days per replica, at most {MAX_DAYS:g} (100 years); a table simulates at most "
+        f"{MAX_SIM_EVENTS:,} failures and saves (a few seconds): more is refused naming the largest --days",
+    )
+    p.add_argument(
+        "--replicas",
+        type=at_least(int, 2, MAX_REPLICAS),
+        default=8,
+        help=f"independent simulations (for the 95%% CI), at most {MAX_REPLICAS}",
     )
     p.add_argument("--no-sim", action="store_true", help="closed forms only")
-    p.add_argument("--json", help="write one row per accelerator count here")
+    p.add_argument("--json", help="write one row per accelerator count here (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
     p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the simulation")
 
 
 def cmd_failures(args: argparse.Namespace) -> None:
     """`tenx plan failures`: the table, the 50% crossing, and the groups that keep 90%."""
-    from tenx.plan.estimate import load_cluster
-    from tenx.utils.io import atomic_write_text
+    from tenx.plan.estimate import cluster_file, load_cluster
+    from tenx.utils.io import atomic_write_text, check_output_file
 
+    out = None
+    if args.json is not None:
+        inputs = (cluster_file(args.cluster),) if args.cluster else ()
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
     # argparse runs `type` on a string default too, but not on a value set in Python (tests, callers)
     gpus = _gpu_counts(args.gpus) if isinstance(args.gpus, str) else args.gpus
     groups = _groups(args.groups) if isinstance(args.groups, str) else args.groups
@@ -457,11 +565,11 @@ def cmd_failures(args: argparse.Namespace) -> None:
     for r in rows:
         if r.groups_for_90 is not None:
             print(f"  {r.gpus:.0e} GPUs: >= {r.groups_for_90} groups keep semi-synchronous goodput >= 90%")
-    if args.json:
+    if out is not None:
         keys = ("gpus", "mtbf_s", "checkpoint_interval_s", "goodput_sync", "goodput_semi_sync", "groups")
-        out = [
+        rows_out = [
             {**{k: asdict(r)[k] for k in keys}, **{k: v for k, v in asdict(r).items() if k not in keys}}
             for r in rows
         ]
-        atomic_write_text(Path(args.json), json.dumps(out, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(rows_out, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -25,7 +25,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,9 +34,9 @@ from tenx.errors import ConfigError
 from tenx.hardware import pick_device, resolve_precision
 from tenx.model.config import ModelConfig, round_up
 from tenx.model.flops import count_params
-from tenx.plan.estimate import DEFAULT_VOCAB
+from tenx.plan.estimate import DEFAULT_VOCAB, MAX_VOCAB
 from tenx.utils.cli import at_least, subcommand
-from tenx.utils.io import atomic_write_text
+from tenx.utils.io import atomic_write_text, check_output_file
 
 CPU_MAX_TOKENS = 2048
 """Rows per GEMM benchmarked on a CPU; a full micro-batch of a large config would take minutes."""
@@ -375,7 +374,11 @@ def cmd_shapes(args: argparse.Namespace) -> int:
     from tenx.plan.estimate import plan_vocab
     from tenx.train.config import load_run_config, resolve_config_path
 
-    run = load_run_config(resolve_config_path(args.config), args.set)
+    config = resolve_config_path(args.config)
+    out = None
+    if args.json is not None:
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=(config,))
+    run = load_run_config(config, args.set)
     vocab = plan_vocab(run, args.vocab)
     print(vocab.describe())
     device = pick_device(args.device, "--device")
@@ -401,8 +404,8 @@ def cmd_shapes(args: argparse.Namespace) -> int:
         config=args.config, vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed
     )
     print(format_shapes(result))
-    if args.json:
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
+    if out is not None:
+        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -422,13 +425,16 @@ def _shapes_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--vocab",
-        type=at_least(int, 1),
+        type=at_least(int, 1, MAX_VOCAB),
         default=None,
         help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
         "50257, said to be assumed)",
     )
     p.add_argument(
-        "--repeat", type=at_least(int, 2), default=5, help="timing rounds (interleaved across shapes)"
+        "--repeat",
+        type=at_least(int, 2, 1000),
+        default=5,
+        help="timing rounds (interleaved across shapes), at most 1000",
     )
     p.add_argument(
         "--max-tokens",
@@ -438,8 +444,14 @@ def _shapes_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=at_least(int, 1),
+        type=at_least(int, 1, 4096),
         default=None,
-        help="torch CPU threads (default: the config's train.threads, else torch's own choice)",
+        help="torch CPU threads, at most 4096 (default: the config's train.threads, else torch's own choice)",
     )
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the report as JSON (a new file, unless --force)",
+    )
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
