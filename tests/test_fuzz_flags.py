@@ -51,6 +51,7 @@ ZERO_MEANS = {
     ("predict", "--bootstrap"): "no band",
     ("decompress", "--max-bytes"): "only an empty original",
     ("eval", "--threshold"): "any shared n-gram contaminates",
+    ("eval", "--max-file-bytes"): "no size limit",
     ("sample", "--temperature"): "greedy decoding",
     ("sample", "--max-new-tokens"): "the prompt alone",
     ("sample", "--top-k"): "no top-k cut",

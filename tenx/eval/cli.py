@@ -7,6 +7,7 @@ import argparse
 import math
 from typing import Any
 
+from tenx.data.codebase import CODEBASE_SKIP_REASONS, DEFAULT_MAX_FILE_BYTES
 from tenx.errors import TenxError
 from tenx.utils.cli import at_least, subcommand
 from tenx.utils.cpus import add_threads_argument
@@ -41,8 +42,21 @@ def format_eval(report: dict[str, Any]) -> str:
                     f"{'':>12}  clean part: {clean['bits_per_byte']:.4f} bits/byte over {clean['documents']} "
                     f"documents, {clean['bytes']:,} bytes"
                 )
-        for key, title in (("by_directory", "directory"), ("by_file_type", "file type")):
-            if r.get(key):
+        files = r.get("files")
+        if files:
+            skipped = ", ".join(f"{n} {CODEBASE_SKIP_REASONS[k]}" for k, n in files["skipped"].items())
+            replaced = files["decoded_with_replacement"]
+            lines.append(
+                f"{'':>12}  files: {files['scored']} scored"
+                + (f" ({replaced} not valid UTF-8, bad bytes replaced)" if replaced else "")
+                + f"; skipped: {skipped or 'none'}"
+            )
+        for key, title in (
+            ("by_language", "language"),
+            ("by_directory", "directory"),
+            ("by_file_type", "file type"),
+        ):
+            if r.get(key) and not (key == "by_file_type" and files):  # the languages say it for a directory
                 lines.append(f"{'':>12}  by {title}:")
                 for group, g in r[key].items():
                     bpb = f"{g['bits_per_byte']:.4f}" if g.get("bits_per_byte") is not None else "-"
@@ -107,6 +121,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
             breakdown=args.breakdown,
             ngram=args.ngram,
             threshold=args.threshold,
+            include=args.include,
+            exclude=args.exclude,
+            max_file_bytes=args.max_file_bytes,
         )
         if len(args.targets) > 1:
             print(f"{target}:")
@@ -195,7 +212,30 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         help="a document is contaminated when more than this fraction of its n-grams occur in training "
         "(default 0.5: tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD; see docs/eval.md)",
     )
-    ep.add_argument("--breakdown", action="store_true", help="figures per directory and per file type")
+    ep.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="figures per directory and per file type (always on for a directory --split)",
+    )
+    ep.add_argument(
+        "--include",
+        action="append",
+        metavar="GLOB",
+        help="a directory --split scores only the files matching one of these globs (repeatable; '**' "
+        "spans directories; a glob without '/' matches a file name at any depth)",
+    )
+    ep.add_argument(
+        "--exclude",
+        action="append",
+        metavar="GLOB",
+        help="a directory --split leaves out the files and directories matching one of these (repeatable)",
+    )
+    ep.add_argument(
+        "--max-file-bytes",
+        type=at_least(int, 0),
+        default=DEFAULT_MAX_FILE_BYTES,
+        help=f"a directory --split skips larger files (default {DEFAULT_MAX_FILE_BYTES:,}; 0: no limit)",
+    )
     add_threads_argument(ep)
 
 

@@ -1,12 +1,12 @@
 """Held-out data scored document by document: contamination against the training split, the clean part's
-score, and breakdowns by directory and file type ("monorepo loss").
+score, and breakdowns by directory, file type and language ("monorepo loss").
 
-A dataset's documents (a prepared split, cut at its shard indexes; or the files of a directory, cleaned as
-`tenx data prepare` cleans them) form one token stream, each followed by the end-of-document token, scored
-exactly as `tenx eval` scores it (tenx.eval.bpb.token_nll); each document owns its tokens and its
-end-of-document token. A document is *contaminated* when more than `threshold` of its n-grams (token
-n-grams of the training split's index, tenx.data.ngrams) also occur in training; the clean part's bits per
-byte leave those documents out.
+A dataset's documents (a prepared split, cut at its shard indexes; the text files of a directory, as
+tenx.data.codebase reads them; or another source's documents, cleaned as `tenx data prepare` cleans them)
+form one token stream, each followed by the end-of-document token, scored exactly as `tenx eval` scores
+it (tenx.eval.bpb.token_nll); each document owns its tokens and its end-of-document token. A document is
+*contaminated* when more than `threshold` of its n-grams (token n-grams of the training split's index,
+tenx.data.ngrams) also occur in training; the clean part's bits per byte leave those documents out.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tenx.data.codebase import CODEBASE_SKIP_REASONS, Codebase, language_of
 from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
 from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
@@ -76,6 +77,22 @@ def source_documents(spec: str, tokenizer: Tokenizer) -> list[Document]:
     return [
         Document(name, np.asarray(ids, dtype=np.int64), len(text.encode("utf-8")))
         for name, ids, text in zip(names, encoded, texts)
+    ]
+
+
+def codebase_documents(codebase: Codebase, tokenizer: Tokenizer) -> list[Document]:
+    """The documents of a directory read by tenx.data.codebase.read_codebase, named by their paths."""
+    if not codebase.files:
+        skipped = ", ".join(f"{n} {CODEBASE_SKIP_REASONS[k]}" for k, n in sorted(codebase.skipped.items()))
+        skipped = skipped or "none: the directory is empty"
+        raise DataError(
+            f"{codebase.root}: no text files to evaluate (skipped: {skipped})"
+            "; check --include/--exclude/--max-file-bytes and the .gitignore files"
+        )
+    encoded = tokenizer.encode_batch([f.text for f in codebase.files])
+    return [
+        Document(f.path, np.asarray(ids, dtype=np.int64), f.num_bytes)
+        for f, ids in zip(codebase.files, encoded)
     ]
 
 
@@ -138,8 +155,10 @@ def score_documents(
     amp_dtype: torch.dtype,
     contaminated: np.ndarray | None = None,
     breakdown: bool = False,
+    languages: bool = False,
 ) -> dict[str, Any]:
-    """The dataset's figures (as eval_texts gives them), plus the clean part and breakdowns when asked."""
+    """The dataset's figures (as eval_texts gives them), plus the clean part and breakdowns when asked
+    (`languages`: also by language, for the files of a directory)."""
     nll = document_nll(model, docs, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
     tokens = int(sum(len(d.tokens) + 1 for d in docs))
     result = summarize(float(nll.sum()), tokens, int(sum(d.num_bytes for d in docs)))
@@ -156,6 +175,8 @@ def score_documents(
     if breakdown:
         result["by_directory"] = _group(docs, nll, by_directory)
         result["by_file_type"] = _group(docs, nll, by_extension)
+    if languages:
+        result["by_language"] = _group(docs, nll, language_of)
     return result
 
 

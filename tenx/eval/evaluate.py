@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
+from tenx.data.codebase import DEFAULT_MAX_FILE_BYTES, read_codebase
 from tenx.data.manifest import read_manifest
 from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
@@ -41,8 +42,11 @@ def evaluate(
     breakdown: bool = False,
     ngram: int | None = None,
     threshold: float | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> dict[str, Any]:
-    """Evaluate a run or checkpoint on each dataset (a prepared split name, or a file/dir of text).
+    """Evaluate a run or checkpoint on each dataset (a prepared split name, a directory, a source of text).
 
     `stride` defaults to seq_len (non-overlapping windows); a smaller one gives each scored token at least
     seq_len - stride tokens of context at seq_len / stride times the compute;
@@ -51,6 +55,9 @@ def evaluate(
     the data was prepared with, tenx.data.ngrams.data_n: 13 BPE tokens, 50 bytes) with the training
     split beyond `threshold` (default tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD) and score the clean part apart;
     `breakdown`: per-directory and per-file-type figures (tenx/eval/documents.py).
+    A directory is a codebase (tenx.data.codebase.read_codebase): every text file under it, `.gitignore`
+    files respected, filtered by the `include`/`exclude` globs and `max_file_bytes` (0: no limit), scored
+    with figures per language and per directory and the counts of the files it skipped, always.
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
     for name in datasets or []:
@@ -59,6 +66,15 @@ def evaluate(
                 f"--split {name!r} is neither a prepared split ({', '.join(PREPARED_SPLITS)}) nor an existing "
                 "file or directory of text (or hf:NAME, stdlib)"
             )
+    if (include or exclude or max_file_bytes != DEFAULT_MAX_FILE_BYTES) and not any(
+        _is_codebase(name) for name in datasets or []
+    ):
+        raise TenxError(
+            "--include, --exclude and --max-file-bytes choose the files of a directory: "
+            "give one with --split DIR"
+        )
+    if max_file_bytes < 0:
+        raise TenxError(f"--max-file-bytes must be >= 0 (0: no limit), got {max_file_bytes}")
     loaded = load_model(target, device)
     seq_len = loaded.model.cfg.seq_len
     if stride is not None and stride < 1:
@@ -80,7 +96,7 @@ def evaluate(
         )
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
-        if decontaminate or breakdown:
+        if decontaminate or breakdown or _is_codebase(name):
             results[name] = _by_document(
                 loaded.model,
                 name,
@@ -93,6 +109,7 @@ def evaluate(
                 breakdown,
                 ngram,
                 threshold,
+                {"include": include or (), "exclude": exclude or (), "max_file_bytes": max_file_bytes},
             )
         elif name in PREPARED_SPLITS:
             results[name] = eval_split(
@@ -137,11 +154,26 @@ def _by_document(
     breakdown: bool,
     ngram: int,
     threshold: float | None,
+    files: dict[str, Any],
 ) -> dict[str, Any]:
-    """A dataset scored document by document: contamination, the clean part, breakdowns."""
-    from tenx.eval.documents import contamination_report, score_documents, source_documents, split_documents
+    """A dataset scored document by document: contamination, the clean part, breakdowns; a directory (a
+    codebase read with the `files` choices of read_codebase) always with its breakdowns and file counts."""
+    from tenx.eval.documents import (
+        codebase_documents,
+        contamination_report,
+        score_documents,
+        source_documents,
+        split_documents,
+    )
 
-    docs = split_documents(data_dir, name) if name in PREPARED_SPLITS else source_documents(name, tokenizer)
+    codebase = None
+    if name in PREPARED_SPLITS:
+        docs = split_documents(data_dir, name)
+    elif _is_codebase(name):
+        codebase = read_codebase(Path(name).expanduser(), **files)
+        docs = codebase_documents(codebase, tokenizer)
+    else:
+        docs = source_documents(name, tokenizer)
     report = None
     if decontaminate:
         from tenx.data.ngrams import DEFAULT_CONTAMINATION_THRESHOLD
@@ -157,11 +189,19 @@ def _by_document(
         stride=stride,
         amp_dtype=amp_dtype,
         contaminated=report.pop("_flags") if report else None,
-        breakdown=breakdown,
+        breakdown=breakdown or codebase is not None,
+        languages=codebase is not None,
     )
+    if codebase is not None:
+        result["files"] = codebase.summary()
     if report:
         result["contamination"] = report
     return result
+
+
+def _is_codebase(spec: str) -> bool:
+    """Whether the dataset `spec` is a directory read as a codebase (not a prepared split, not stdlib)."""
+    return spec not in PREPARED_SPLITS and spec != "stdlib" and Path(spec).expanduser().is_dir()
 
 
 def _is_text_source(spec: str) -> bool:

@@ -1,0 +1,1 @@
+function slugify(t){return t.toLowerCase()}
