@@ -51,7 +51,9 @@ _REPR.maxlevel = 3
 def _show(value: Any) -> str:
     """repr of a value for a message, cut short when long or deeply nested (a huge integer as 2.01e+281)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
-        return f"{float(value):.3g}" if abs(value) < 10**308 else f"an integer of {len(str(abs(value)))} digits"
+        return (
+            f"{float(value):.3g}" if abs(value) < 10**308 else f"an integer of {len(str(abs(value)))} digits"
+        )
     return _REPR.repr(value)
 
 

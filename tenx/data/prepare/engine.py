@@ -438,7 +438,9 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
     )
     path = out.with_name(f"{out.name}.sbatch")
     if path.is_dir():
-        raise ConfigError(f"{path} is a directory; the script goes there: move it away or choose another --out")
+        raise ConfigError(
+            f"{path} is a directory; the script goes there: move it away or choose another --out"
+        )
     if path.exists() and "#SBATCH --job-name=tenx-prepare-" not in path.read_text(errors="replace"):
         raise ConfigError(f"{path} exists and tenx did not write it; move it away or choose another --out")
     atomic_write_text(path, text + "\n")
