@@ -13,7 +13,10 @@ from tenx.data.prepare.pipeline import PrepareConfig, prepare
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusal of a flag's value
+        code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -21,15 +24,15 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
-        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
-        (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 0, got -5"),
-        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--temperature", "nan"], "argument --temperature: must be a number >= 0, got 'nan'"),
+        (["--temperature", "-1"], "argument --temperature: must be a number >= 0, got '-1'"),
+        (["--max-new-tokens", "-5"], "argument --max-new-tokens: must be an integer >= 0, got '-5'"),
+        (["--top-k", "-2"], "argument --top-k: must be an integer >= 0, got '-2'"),
     ],
 )
 def test_sample_refuses_senseless_settings_before_loading_anything(tmp_path, capsys, flags, message):
     code, _, err = _run(["sample", str(tmp_path / "no-such-run"), *flags], capsys)
-    assert code == 2 and err.startswith("tenx: error: ") and message in err
+    assert code == 2 and err.splitlines()[-1].startswith("tenx sample: error: ") and message in err
 
 
 def test_eval_names_the_splits_when_one_is_misspelt(tmp_path, capsys):

@@ -4,7 +4,9 @@
 a lock file races with the next holder) for the duration of a `with` block, and writes into it who holds it
 (process id, host, command line, since when). A second process is refused at once with a TenxError naming
 the holder, before it has written anything. The kernel releases the lock when the holder exits, however it
-exits (SIGKILL, a crash, a power loss), so a stale lock file never blocks anyone.
+exits (SIGKILL, a crash, a power loss), so a stale lock file never blocks anyone. A directory the lock
+created is removed again when the block wrote nothing else into it (a command refused at its start
+leaves no empty run directory behind).
 
 A process that holds a lock may start children that write for it (`tenx train --supervise` starts the
 training process): `holder_environment(path)` gives the environment variable that lets them through. The
@@ -94,6 +96,7 @@ def exclusive_writer(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         import fcntl
     except ImportError:  # not a POSIX system
         fcntl = None  # type: ignore[assignment]
+    created = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -134,6 +137,21 @@ def exclusive_writer(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         finally:
             del _held[key]
     finally:
+        if created and locked and _only(path):  # a command that failed before writing leaves nothing behind
+            path.unlink(missing_ok=True)
+            for directory in created:  # the ones this call made, deepest first
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
         if locked and fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _only(path: Path) -> bool:
+    """Whether the lock file is all its directory holds."""
+    try:
+        return [p.name for p in path.parent.iterdir()] == [path.name]
+    except OSError:
+        return False
