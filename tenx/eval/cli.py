@@ -9,7 +9,7 @@ from typing import Any
 
 from tenx.data.codebase import CODEBASE_SKIP_REASONS, DEFAULT_MAX_FILE_BYTES
 from tenx.errors import TenxError
-from tenx.utils.cli import at_least, subcommand
+from tenx.utils.cli import above, at_least, subcommand
 from tenx.utils.cpus import add_threads_argument
 
 
@@ -27,6 +27,15 @@ def format_eval(report: dict[str, Any]) -> str:
     lines = []
     for name, r in report["datasets"].items():
         lines.append(_line(name, r))
+        a = r.get("adaptive")
+        if a:
+            lines.append(
+                f"{'':>12}  adaptive (learning as it reads, {a['settings']['params']} parameters, lr "
+                f"{a['settings']['lr']:g}, {a['settings']['steps']} step(s) a chunk): "
+                f"{a['adaptive_bits_per_byte']:.4f} bits/byte against {a['static_bits_per_byte']:.4f} static; "
+                f"xz -9e {a['xz_bits_per_byte']:.4f} concatenated, {a['xz_per_file_bits_per_byte']:.4f} file by "
+                f"file ({a['seconds']:.0f} s)"
+            )
         c = r.get("contamination")
         if c:
             lines.append(
@@ -97,6 +106,7 @@ def format_comparison(reports: dict[str, dict[str, Any]]) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     """Evaluate each run on each dataset; print each, then a comparison when there are several runs."""
+    from tenx.eval.adaptive import AdaptConfig
     from tenx.eval.evaluate import evaluate
     from tenx.hardware import set_torch_threads
 
@@ -124,6 +134,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
             include=args.include,
             exclude=args.exclude,
             max_file_bytes=args.max_file_bytes,
+            adapt=AdaptConfig(args.adapt_lr, args.adapt_steps, params=args.adapt_params)
+            if args.adapt
+            else None,
         )
         if len(args.targets) > 1:
             print(f"{target}:")
@@ -211,6 +224,24 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         default=None,
         help="a document is contaminated when more than this fraction of its n-grams occur in training "
         "(default 0.5: tenx.data.ngrams.DEFAULT_CONTAMINATION_THRESHOLD; see docs/eval.md)",
+    )
+    ep.add_argument(
+        "--adapt",
+        action="store_true",
+        help="also the adaptive (prequential) figure: each chunk scored, then the model trains on it "
+        "(tenx/eval/adaptive.py; a copy adapts, the run is untouched)",
+    )
+    ep.add_argument(
+        "--adapt-lr", type=above(float, 0, 1), default=1e-4, help="with --adapt: AdamW learning rate"
+    )
+    ep.add_argument(
+        "--adapt-steps", type=at_least(int, 1, 100), default=1, help="with --adapt: optimizer steps per chunk"
+    )
+    ep.add_argument(
+        "--adapt-params",
+        choices=("all", "norms", "head", "last"),
+        default="all",
+        help="with --adapt: what adapts (last: the last block, final norm and output layer)",
     )
     ep.add_argument(
         "--breakdown",

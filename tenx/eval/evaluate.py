@@ -12,6 +12,7 @@ from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError
+from tenx.eval.adaptive import AdaptConfig, adaptive_report
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.load import load_model
 from tenx.hardware import resolve_precision
@@ -45,6 +46,7 @@ def evaluate(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    adapt: AdaptConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate a run or checkpoint on each dataset (a prepared split name, a directory, a source of text).
 
@@ -58,6 +60,8 @@ def evaluate(
     A directory is a codebase (tenx.data.codebase.read_codebase): every text file under it, `.gitignore`
     files respected, filtered by the `include`/`exclude` globs and `max_file_bytes` (0: no limit), scored
     with figures per language and per directory and the counts of the files it skipped, always.
+    `adapt`: also the adaptive (prequential) figure of each dataset, the model learning as it reads
+    (tenx/eval/adaptive.py), beside the static one and xz's.
     Writes eval.json (default: in the run directory, else the checkpoint directory) and returns it.
     """
     for name in datasets or []:
@@ -96,7 +100,7 @@ def evaluate(
         )
     results: dict[str, dict[str, Any]] = {}
     for name in datasets or ["heldout"]:
-        if decontaminate or breakdown or _is_codebase(name):
+        if decontaminate or breakdown or adapt is not None or _is_codebase(name):
             results[name] = _by_document(
                 loaded.model,
                 name,
@@ -110,6 +114,7 @@ def evaluate(
                 ngram,
                 threshold,
                 {"include": include or (), "exclude": exclude or (), "max_file_bytes": max_file_bytes},
+                adapt,
             )
         elif name in PREPARED_SPLITS:
             results[name] = eval_split(
@@ -155,6 +160,7 @@ def _by_document(
     ngram: int,
     threshold: float | None,
     files: dict[str, Any],
+    adapt: AdaptConfig | None = None,
 ) -> dict[str, Any]:
     """A dataset scored document by document: contamination, the clean part, breakdowns; a directory (a
     codebase read with the `files` choices of read_codebase) always with its breakdowns and file counts."""
@@ -196,6 +202,8 @@ def _by_document(
         result["files"] = codebase.summary()
     if report:
         result["contamination"] = report
+    if adapt is not None:
+        result["adaptive"] = adaptive_report(model, docs, tokenizer.token_bytes(), tokenizer.eot_id, adapt)
     return result
 
 
