@@ -35,7 +35,7 @@ PARAMS = ("all", "norms", "head", "last")
 class AdaptConfig:
     """How the model adapts while it reads (see the module docstring)."""
 
-    lr: float = 1e-4
+    lr: float = 3e-4
     """AdamW learning rate of the adaptation steps."""
     steps: int = 1
     """Optimizer steps on each chunk after it is scored."""

@@ -232,7 +232,7 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
         "(tenx/eval/adaptive.py; a copy adapts, the run is untouched)",
     )
     ep.add_argument(
-        "--adapt-lr", type=above(float, 0, 1), default=1e-4, help="with --adapt: AdamW learning rate"
+        "--adapt-lr", type=above(float, 0, 1), default=3e-4, help="with --adapt: AdamW learning rate"
     )
     ep.add_argument(
         "--adapt-steps", type=at_least(int, 1, 100), default=1, help="with --adapt: optimizer steps per chunk"
