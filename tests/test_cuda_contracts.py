@@ -286,3 +286,24 @@ def test_float64_runs_where_the_device_has_it():
     assert float64_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert float64_device(torch.device("cpu")) == torch.device("cpu")
     assert float64_device(torch.device("mps")) == torch.device("cpu")
+
+
+def test_the_planted_op_bug_builds_its_tensors_on_the_targets_device(monkeypatch):
+    """On CUDA the op-bug fault crashed in its own torch.cat (a CPU tensor beside the CUDA targets: seen on an
+    H100), so triage found a crash no repro could show. Every tensor it makes must be on the targets' device."""
+    from tenx.train.callbacks import opbug
+
+    targets = torch.tensor([1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 4])
+    made: list[object] = []
+    for name in ("zeros", "tensor"):
+        real = getattr(torch, name)
+
+        def factory(*args, _real=real, **kwargs):
+            made.append(kwargs.get("device", "none given"))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, factory)
+    runs = opbug.longest_runs(targets, 4)
+    monkeypatch.undo()
+    assert runs == [(1, 4, 2), (5, 5, 3)]
+    assert made and all(device == targets.device for device in made), made

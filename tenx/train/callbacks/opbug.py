@@ -33,8 +33,8 @@ def longest_runs(values: torch.Tensor, run: int) -> list[tuple[int, int, int]]:
     if flat.numel() < run:
         return []
     change = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
-    starts = torch.cat([torch.zeros(1, dtype=change.dtype), change])
-    ends = torch.cat([change, torch.tensor([flat.numel()], dtype=change.dtype)])
+    starts = torch.cat([torch.zeros(1, dtype=change.dtype, device=change.device), change])
+    ends = torch.cat([change, torch.tensor([flat.numel()], dtype=change.dtype, device=change.device)])
     lengths = ends - starts
     keep = torch.nonzero(lengths >= run).flatten()
     return [(int(starts[i]), int(lengths[i]), int(flat[starts[i]])) for i in keep]
