@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
-import math
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,37 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tenx.data.codebase import read_codebase  # noqa: E402
 from tenx.data.manifest import read_manifest  # noqa: E402
 from tenx.data.tokenizer import load_tokenizer  # noqa: E402
-from tenx.eval.adaptive import AdaptConfig, adaptive_token_nll  # noqa: E402
+from tenx.eval.adaptive import AdaptConfig, adaptive_report  # noqa: E402
 from tenx.eval.documents import codebase_documents, split_documents  # noqa: E402
 from tenx.eval.load import load_model  # noqa: E402
 
 
-def _baselines(files: list[bytes]) -> dict[str, float]:
+def figures_of(model, docs, table: list[bytes], eot: int, cfg: AdaptConfig) -> dict[str, float]:
+    """tenx.eval.adaptive's report (static, adaptive, xz both ways) plus zstd -19 and brotli -q11."""
     import brotli
     import zstandard
 
-    data = b"".join(files)
+    report = adaptive_report(model, docs, table, eot, cfg)
+    data = b"".join(report.pop("files"))
     bits = 8.0 / len(data)
-    xz = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
-    xz_files = sum(len(lzma.compress(f, preset=9 | lzma.PRESET_EXTREME)) for f in files)
     return {
-        "xz_concat": len(xz) * bits,
-        "xz_files": xz_files * bits,
+        "static": report["static_bits_per_byte"],
+        "adaptive": report["adaptive_bits_per_byte"],
+        "seconds": report["seconds"],
+        "bytes": report["bytes"],
+        "xz_concat": report["xz_bits_per_byte"],
+        "xz_files": report["xz_per_file_bits_per_byte"],
         "zstd": len(zstandard.ZstdCompressor(level=19).compress(data)) * bits,
         "brotli": len(brotli.compress(data, quality=11)) * bits,
-    }
-
-
-def evaluate(model, docs, table, eot: int, cfg: AdaptConfig) -> dict[str, float]:
-    stream = np.concatenate([np.append(d.tokens, eot) for d in docs])
-    num_bytes = sum(d.num_bytes for d in docs)
-    started = time.perf_counter()
-    adaptive, static = adaptive_token_nll(model, stream, eot, cfg)
-    return {
-        "static": float(static.sum()) / math.log(2) / num_bytes,
-        "adaptive": float(adaptive.sum()) / math.log(2) / num_bytes,
-        "seconds": time.perf_counter() - started,
-        "bytes": num_bytes,
     }
 
 
@@ -101,8 +88,7 @@ def main() -> None:
         if not docs:
             print(f"{name}: no documents", flush=True)
             continue
-        files = [b"".join(table[t] for t in d.tokens.tolist()) for d in docs]
-        figures = {**evaluate(loaded.model, docs, table, eot, base), **_baselines(files)}
+        figures = figures_of(loaded.model, docs, table, eot, base)
         figures["files"] = len(docs)
         figures["adaptive_over_xz_files"] = figures["adaptive"] / figures["xz_files"]
         figures["adaptive_over_xz_concat"] = figures["adaptive"] / figures["xz_concat"]
@@ -120,7 +106,7 @@ def main() -> None:
         for params in ("all", "last", "norms"):
             for lr in (3e-5, 1e-4, 3e-4, 1e-3):
                 cfg = AdaptConfig(lr=lr, steps=args.steps, params=params)
-                got = evaluate(loaded.model, docs, table, eot, cfg)
+                got = figures_of(loaded.model, docs, table, eot, cfg)
                 sweep.append(
                     {"params": params, "lr": lr, "adaptive": got["adaptive"], "seconds": got["seconds"]}
                 )

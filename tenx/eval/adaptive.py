@@ -17,8 +17,10 @@ model is never changed: a copy adapts.
 from __future__ import annotations
 
 import copy
+import math
+import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from tenx.errors import ConfigError
 from tenx.eval.bpb import window_plan
 from tenx.model.transformer import Transformer
+from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 
 PARAMS = ("all", "norms", "head", "last")
 
@@ -108,15 +111,11 @@ def adaptive_token_nll(
 
 
 def adaptive_report(
-    model: Transformer, docs: list, token_bytes: list[bytes], eot_id: int, cfg: AdaptConfig
-) -> dict:
+    model: Transformer, docs: list[Any], token_bytes: list[bytes], eot_id: int, cfg: AdaptConfig
+) -> dict[str, Any]:
     """The adaptive and static bits per byte of `docs` (tenx.eval.documents.Document, in order) on the same
-    windows, xz -9e on the same bytes (concatenated and file by file), the settings and the time."""
-    import math
-    import time
-
-    from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
-
+    windows, xz -9e on the same bytes (concatenated and file by file), the settings and the time; `files`:
+    each document's bytes (for other compressors)."""
     started = time.perf_counter()
     pieces = [np.append(d.tokens, eot_id) for d in docs]
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
@@ -132,4 +131,5 @@ def adaptive_report(
         "seconds": time.perf_counter() - started,
         "settings": {"lr": cfg.lr, "steps": cfg.steps, "batch": cfg.batch, "params": cfg.params},
         "order": "the documents in sorted path order (a prepared split: its stored order)",
+        "files": files,
     }

@@ -203,7 +203,9 @@ def _by_document(
     if report:
         result["contamination"] = report
     if adapt is not None:
-        result["adaptive"] = adaptive_report(model, docs, tokenizer.token_bytes(), tokenizer.eot_id, adapt)
+        adaptive = adaptive_report(model, docs, tokenizer.token_bytes(), tokenizer.eot_id, adapt)
+        adaptive.pop("files")  # the bytes themselves stay out of eval.json
+        result["adaptive"] = adaptive
     return result
 
 
