@@ -195,7 +195,9 @@ def test_config_overrides_accept_auto_and_numbers(tiny_config, tiny_data):
 # ----- end to end ---------------------------------------------------------------------------------------
 def _two_groups(tmp_path, data_dir, dtype: str, steps: int, h: int) -> tuple[list[dict], list[float]]:
     """Two DiLoCo groups over gloo; returns group 0's rows and the bytes of its outer steps with a peer,
-    after checking that both groups ended with identical parameters."""
+    after checking that both groups ended with identical parameters. Every step waits for both groups
+    (min_groups=2): with one, a group that started first trains alone for a while, so the loss curve
+    depends on start-up timing (CI once measured fp32 2.993 against int8 3.070 that way)."""
     drill = Drill(
         tmp_path / dtype,
         data_dir,
@@ -203,6 +205,7 @@ def _two_groups(tmp_path, data_dir, dtype: str, steps: int, h: int) -> tuple[lis
         steps,
         f"parallel.replicas.sync_every={h}",
         f"parallel.replicas.pseudo_grad_dtype='{dtype}'",
+        min_groups=2,
     )
     try:
         for p in [drill.start(0), drill.start(1)]:
@@ -232,7 +235,7 @@ def test_two_groups_train_with_int8_pseudo_gradients_like_fp32_for_a_quarter_of_
     assert fp32_outer and all(0 <= d - 4 * params < 1024 for d in fp32_outer), fp32_outer
     ratio = sorted(int8_outer)[len(int8_outer) // 2] / sorted(fp32_outer)[len(fp32_outer) // 2]
     assert 0.25 <= ratio < 0.252, ratio
-    # Same data, same seeds: the int8 run's loss follows the fp32 one (measured 3.028 against 3.024).
+    # Same data, same seeds: the int8 run's loss follows the fp32 one (measured 3.007 against 2.993).
     tail = [sum(r["loss"] for r in rows[-5:]) / 5 for rows in (fp32_rows, int8_rows)]
     assert tail[1] < 0.6 * math.log(256), "int8 DiLoCo did not train (a byte model starts at ln 256)"
     assert abs(tail[1] - tail[0]) < 0.02 * tail[0], tail

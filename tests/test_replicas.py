@@ -80,12 +80,14 @@ def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 class Drill:
     """A lighthouse and replica-group processes; every child is killed when the drill ends."""
 
-    def __init__(self, tmp_path: Path, data_dir: Path, mode: str, steps: int, *overrides: str) -> None:
+    def __init__(
+        self, tmp_path: Path, data_dir: Path, mode: str, steps: int, *overrides: str, min_groups: int = 1
+    ) -> None:
         self.tmp, self.data_dir, self.mode, self.steps = tmp_path, data_dir, mode, steps
-        self.overrides = overrides
+        self.overrides = (*overrides, f"parallel.replicas.min_groups={min_groups}")
         self.server, self.address = start_lighthouse(
             f"127.0.0.1:{_free_port()}",
-            min_groups=1,
+            min_groups=min_groups,
             join_timeout_ms=5000,
             quorum_tick_ms=10,
             heartbeat_timeout_ms=1000,
