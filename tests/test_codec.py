@@ -14,7 +14,6 @@ import torch
 from tenx.cli import main
 from tenx.compress import codec as codec_mod
 from tenx.compress.codec import (
-    HEADER_BYTES,
     _to_ids,
     compress_bytes,
     compress_file,
@@ -23,6 +22,7 @@ from tenx.compress.codec import (
     load_codec,
     read_header,
 )
+from tenx.compress.container import HEADER_BYTES
 from tenx.compress.fixed import FixedStepper, FixedWeights, det_exp, det_log, det_sin_cos
 from tenx.compress.float32 import FloatStepper
 from tenx.data.loader import TokenStream

@@ -15,18 +15,12 @@ Both sides compute bit-identical probabilities because they run one function, `_
 The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
 conditioned on the end-of-document token, as documents start in training); up to MAX_GROUP chunks go through
 the model together, one position per step, with a key/value cache. Step s feeds every chunk's token s-1
-(known to the encoder, just decoded by the decoder), so the same kernels see the same shapes and values on
-both sides: fp32, no autocast, TF32 off, and torch's thread count fixed to the one the header records (the
-cached step's logits differ in the last bits between 1 and 2 threads, measured on a CPU). The float64
-softmax of the logits becomes integer frequencies, floor(p * 2**24) + 1 (every token codable), before
-constriction's range coder quantises them. Not covered: another CPU instruction set or torch build may round
-differently; the xxhash of the original bytes then fails and decompression raises instead of writing.
-
-Container, little-endian: the 80 bytes of HEADER (magic b"TENX", format version, torch threads, device
-0 cpu / 1 cuda, stored flag, tokens per chunk, chunks per group, original length, token count, 32-bit words
-of code, checkpoint step, then the xxh3-64 digests of the original bytes, of the checkpoint's manifest file,
-of the tokenizer (its manifest entry's hash) and of the body), 8 bytes of xxh3-64 of those 80, then the body:
-the code as 32-bit words, or the original bytes when the code would be longer (the stored flag set).
+(known to the encoder, just decoded by the decoder). The logits come from `FixedStepper`
+(tenx/compress/fixed.py), whose arithmetic every CPU kind, thread count and GPU rounds alike, and become
+integer frequencies floor(exp(z - max z) * 2**24) + 1 (every token codable) before constriction's range
+coder quantises them; format version 1's float32 kernels (`FloatStepper`) are still read, where they run.
+The container (header, checksums, format versions) is tenx/compress/container.py; `tenx compress --adapt`
+(format version 3) lets the output layer learn as it codes (tenx/compress/adapt.py).
 The checksums stop accidents, not forgers: the token count is checked against the body's bits before
 decoding (`fewest_bits` against `code_bits`) and the information decoded against them while decoding.
 """
@@ -35,7 +29,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,9 +39,18 @@ from typing import Any, cast
 import constriction
 import numpy as np
 import torch
-import xxhash
 
 from tenx import checkpoint as ckpt
+from tenx.compress.adapt import AdaptiveHead
+from tenx.compress.container import (
+    ADAPTIVE_VERSION,
+    DEVICES,
+    VERSION,
+    CodecAdaptation,
+    Header,
+    _digest,
+    read_header,
+)
 from tenx.compress.fixed import FixedStepper, FixedWeights, fixed_frequencies
 from tenx.compress.float32 import FREQ_SCALE, FloatStepper, float_frequencies
 from tenx.data.manifest import read_manifest
@@ -60,20 +62,11 @@ from tenx.rundir import step_dir_name
 from tenx.utils.cli import counted
 from tenx.utils.io import atomic_write_bytes, check_output_file, file_xxhash
 
-MAGIC = b"TENX"
-VERSION = 2
-"""Version 2: probabilities by the fixed-point rules of tenx/compress/fixed.py, the same on every machine.
-Version 1 (float32 kernels: decodes only where the same kernels run) is still read."""
-VERSIONS = (1, 2)
-HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
-"""magic, version, then the fields of Header in order (digests as 8 bytes each)."""
-HEADER_BYTES = HEADER.size + 8
 MAX_GROUP = 64
 """Chunks coded side by side: one forward step serves this many tokens (measured on the quickstart model,
 1 thread: 2,200 tokens/s one chunk at a time, 9,200 with 64)."""
 CACHE_BYTES = 1 << 30
 """Fewer chunks side by side where their key/value cache would exceed this (large models)."""
-DEVICES = ("cpu", "cuda")
 _ESCAPED = re.compile("([\udc80-\udcff]+)")
 """Runs of bytes that are not UTF-8, as decode(errors="surrogateescape") spells them."""
 
@@ -242,16 +235,19 @@ def _code(
     decoding: bool,
     budget_bits: float = float("inf"),
     version: int = VERSION,
+    adapt: CodecAdaptation | None = None,
 ) -> None:
     """Encode `tokens_N` into `coder`, or (decoding) fill `tokens_N` from it: one loop for both, so both
     compute the same probabilities (see the module docstring). Decoding stops with a TenxError once the
     tokens decoded carry more information than `budget_bits` (`code_bits` of the body): the code is then
     exhausted, and what the range decoder gives after its end is made up of padding. `version` 1 runs the
-    float32 kernels, 2 the fixed-point rules."""
+    float32 kernels, 2 and 3 the fixed-point rules; with `adapt` (version 3) the output layer learns from
+    the tokens coded: an update every `adapt.every` positions and at the end of each group."""
     family = constriction.stream.model.Categorical(perfect=False)
     vocab, eot, device = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.device
     starts = np.arange(0, len(tokens_N), chunk)
     spent, done = 0.0, 0
+    head = None if adapt is None else AdaptiveHead(codec.fixed_weights(), adapt)
     for g in range(0, len(starts), group):
         first_R = starts[g : g + group]
         length_R = np.minimum(chunk, len(tokens_N) - first_R)  # only the last chunk may be shorter
@@ -261,7 +257,11 @@ def _code(
         inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
         for s in range(int(length_R[0])):
             active = int(np.count_nonzero(length_R > s))
-            freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
+            if head is None:
+                freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
+            else:
+                hidden = cast(FixedStepper, step).hidden(inputs_R.to(device), s)[:active]
+                freqs = frequencies(head.logits(hidden), vocab, eot)
             where = first_R[:active] + s
             if decoding:
                 tokens_N[where] = coder.decode(family, freqs)
@@ -275,6 +275,10 @@ def _code(
             else:
                 coder.encode(tokens_N[where].astype(np.int32), family, freqs)
             inputs_R[:active] = torch.from_numpy(tokens_N[where])
+            if head is not None:
+                head.record(hidden, freqs, tokens_N[where])
+                if (s + 1) % head.settings.every == 0 or s + 1 == length_R[0]:
+                    head.update()
 
 
 def _group(model: Transformer) -> int:
@@ -304,10 +308,6 @@ def _fixed_numerics(threads: int) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
 
 
-def _digest(data: bytes) -> bytes:
-    return xxhash.xxh3_64_digest(data)
-
-
 def _hex_digest(hex_hash: str) -> bytes:
     """8 bytes for an xxh3-64 hex digest (any other identity string: the digest of its text)."""
     try:
@@ -318,14 +318,27 @@ def _hex_digest(hex_hash: str) -> bytes:
 
 
 def compress_bytes(
-    model: CodecModel | LoadedModel | str | Path, data: bytes, *, threads: int = 1, version: int = VERSION
+    model: CodecModel | LoadedModel | str | Path,
+    data: bytes,
+    *,
+    threads: int = 1,
+    version: int = VERSION,
+    adapt: CodecAdaptation | None = None,
 ) -> bytes:
     """`data` compressed with `model` (a run or checkpoint directory, or one loaded already) into a `.tenx`
     blob; stored verbatim when the model's code would be longer (random bytes: at most the header is added).
-    `threads`: torch threads while coding (recorded; any count decodes a version-2 file). `version` 1 writes
-    the old kernel-dependent format (for tests of its reader)."""
+    `threads`: torch threads while coding (recorded; any count decodes a version-2 file). `adapt`: the
+    output layer learns as it codes (format version 3, tenx/compress/adapt.py). `version` 1 writes the old
+    kernel-dependent format (for tests of its reader)."""
     if not 1 <= threads <= 255:
         raise TenxError(f"--threads must be 1..255, got {threads}")
+    if adapt is not None:
+        adapt.validate()
+        if version not in (VERSION, ADAPTIVE_VERSION):
+            raise TenxError(
+                f"adaptation needs the fixed-point rules (format {ADAPTIVE_VERSION}), not {version}"
+            )
+        version = ADAPTIVE_VERSION
     codec = load_codec(model)
     if codec.device.type not in DEVICES:
         raise TenxError(f"compression runs on {' or '.join(DEVICES)}, not {codec.device.type}")
@@ -333,7 +346,7 @@ def compress_bytes(
     chunk, group = codec.model.cfg.seq_len, _group(codec.model)
     encoder = constriction.stream.queue.RangeEncoder()
     with _fixed_numerics(threads):
-        _code(codec, tokens, chunk, group, encoder, decoding=False, version=version)
+        _code(codec, tokens, chunk, group, encoder, decoding=False, version=version, adapt=adapt)
     code = encoder.get_compressed().astype("<u4").tobytes()
     stored = len(code) >= len(data)
     header = Header(
@@ -351,72 +364,9 @@ def compress_bytes(
         tokenizer_hash=_hex_digest(codec.tokenizer_hash),
         code_hash=_digest(data if stored else code),
         version=version,
+        adapt=adapt,
     ).pack()
     return header + (data if stored else code)
-
-
-@dataclass
-class Header:
-    """The fields of a `.tenx` header (see the module docstring)."""
-
-    threads: int
-    device: str
-    stored: bool
-    """The body is the original bytes (the model's code would have been longer)."""
-    chunk: int
-    group: int
-    length: int
-    tokens: int
-    words: int
-    step: int
-    data_hash: bytes
-    model_hash: bytes
-    tokenizer_hash: bytes
-    code_hash: bytes
-    version: int = VERSION
-    """Not a packed field: the byte after the magic."""
-
-    def pack(self) -> bytes:
-        """The header's HEADER_BYTES, its checksum included."""
-        fields = [*vars(self).values()][:-1]
-        fields[1] = DEVICES.index(self.device)
-        packed = HEADER.pack(MAGIC, self.version, *fields)
-        return packed + _digest(packed)
-
-    @property
-    def body_bytes(self) -> int:
-        """Bytes after the header."""
-        return self.length if self.stored else 4 * self.words
-
-
-def read_header(blob: bytes, name: str = "input") -> Header:
-    """The checked header of a `.tenx` blob; a TenxError says what is wrong with a foreign, truncated or
-    corrupt one."""
-    if blob[: len(MAGIC)] != MAGIC:
-        raise TenxError(f"{name} is not a tenx compressed file (it does not start with {MAGIC!r})")
-    if len(blob) < HEADER_BYTES:
-        raise TenxError(
-            f"{name} is truncated: {len(blob)} bytes, shorter than a tenx header ({HEADER_BYTES})"
-        )
-    _, version, threads, device, stored, *rest = HEADER.unpack_from(blob)
-    if version not in VERSIONS:
-        raise TenxError(
-            f"{name} has format version {version}; this tenx reads versions {', '.join(map(str, VERSIONS))}"
-        )
-    if _digest(blob[: HEADER.size]) != blob[HEADER.size : HEADER_BYTES]:
-        raise TenxError(f"{name} is corrupt: its header does not match its checksum")
-    if device >= len(DEVICES) or stored > 1 or 0 in (threads, rest[0], rest[1]):
-        raise TenxError(f"{name} is corrupt: its header holds impossible values")
-    header = Header(threads, DEVICES[device], bool(stored), *rest, version=version)
-    if not header.stored and (header.tokens > header.length or bool(header.length) != bool(header.tokens)):
-        raise TenxError(f"{name} is corrupt: {header.tokens} tokens cannot spell {header.length} bytes")
-    body = len(blob) - HEADER_BYTES
-    if body != header.body_bytes:
-        problem = "truncated" if body < header.body_bytes else "longer than its header says"
-        raise TenxError(f"{name} is {problem}: {body} bytes after the header, which says {header.body_bytes}")
-    if _digest(blob[HEADER_BYTES:]) != header.code_hash:
-        raise TenxError(f"{name} is corrupt: the bytes after its header do not match their checksum")
-    return header
 
 
 MAX_BYTES = 1 << 30
@@ -457,7 +407,7 @@ def decompress_bytes(
             f"{step_dir_name(header.step)})"
         )
     if header.stored:
-        data: bytes | None = blob[HEADER_BYTES:]
+        data: bytes | None = blob[header.size :]
     else:
         if header.chunk > codec.model.cfg.seq_len or header.group > MAX_GROUP:
             raise TenxError(f"{name} is corrupt: chunks of {header.chunk} tokens in groups of {header.group}")
@@ -469,12 +419,20 @@ def decompress_bytes(
                 f"{budget:,.0f}"
             )
         tokens = np.zeros(header.tokens, dtype=np.int64)
-        words = np.frombuffer(blob, dtype="<u4", offset=HEADER_BYTES).astype(np.uint32)
+        words = np.frombuffer(blob, dtype="<u4", offset=header.size).astype(np.uint32)
         decoder = constriction.stream.queue.RangeDecoder(words)
         try:
             with _fixed_numerics(header.threads):
                 _code(
-                    codec, tokens, header.chunk, header.group, decoder, True, budget, version=header.version
+                    codec,
+                    tokens,
+                    header.chunk,
+                    header.group,
+                    decoder,
+                    True,
+                    budget,
+                    version=header.version,
+                    adapt=header.adapt,
                 )
         except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
             raise TenxError(f"{name} cannot be decoded with this model ({e})") from None
@@ -497,17 +455,19 @@ def compress_file(
     *,
     threads: int = 1,
     device: str = "cpu",
+    adapt: CodecAdaptation | None = None,
 ) -> dict[str, Any]:
     """Compress file `src` into `dst` (atomically; an existing `dst` only with `force`) and report the
-    figures: bits per byte of the whole `.tenx` file, coding speed in KB/s (1 KB = 1000 bytes of input)."""
+    figures: bits per byte of the whole `.tenx` file, coding speed in KB/s (1 KB = 1000 bytes of input).
+    `adapt`: the output layer learns as it codes (compress_bytes)."""
     data = _read(src, dst, force)
     started = time.perf_counter()
     codec = load_codec(run, device)
     loaded = time.perf_counter()
-    blob = compress_bytes(codec, data, threads=threads)
+    blob = compress_bytes(codec, data, threads=threads, adapt=adapt)
     coded = time.perf_counter()
     atomic_write_bytes(dst, blob)
-    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded)
+    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded, adapt)
 
 
 def decompress_file(
@@ -529,7 +489,7 @@ def decompress_file(
     data = decompress_bytes(codec, blob, name=str(src), max_bytes=max_bytes)
     coded = time.perf_counter()
     atomic_write_bytes(dst, data)
-    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded)
+    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded, header.adapt)
 
 
 def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
@@ -543,7 +503,13 @@ def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
 
 
 def _report(
-    src: str | Path, dst: str | Path, raw: int, packed: int, load_s: float, code_s: float
+    src: str | Path,
+    dst: str | Path,
+    raw: int,
+    packed: int,
+    load_s: float,
+    code_s: float,
+    adapt: CodecAdaptation | None,
 ) -> dict[str, Any]:
     return {
         "src": str(src),
@@ -554,4 +520,5 @@ def _report(
         "kb_per_s": raw / 1000 / code_s if code_s > 0 else None,
         "seconds": code_s,
         "load_seconds": load_s,
+        "adapt": None if adapt is None else {"lr": adapt.lr, "every": adapt.every},
     }

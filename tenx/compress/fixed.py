@@ -124,7 +124,7 @@ def to_grid(x: torch.Tensor, bits: int = GRID_BITS) -> tuple[torch.Tensor, torch
 
 
 @dataclass
-class _Linear:
+class GridLinear:
     """A linear layer on the grid: integer weights (out, in) transposed, their power-of-two row scales."""
 
     q_IO: torch.Tensor
@@ -132,10 +132,10 @@ class _Linear:
     bias_O: torch.Tensor | None
 
     @staticmethod
-    def of(layer: nn.Linear, device: torch.device) -> _Linear:
+    def of(layer: nn.Linear, device: torch.device) -> GridLinear:
         q_OI, scale_O1 = to_grid(layer.weight.detach().to(device, torch.float64))
         bias = None if layer.bias is None else layer.bias.detach().to(device, torch.float64)
-        return _Linear(q_OI.t().contiguous(), scale_O1[:, 0], bias)
+        return GridLinear(q_OI.t().contiguous(), scale_O1[:, 0], bias)
 
     def __call__(self, x_RI: torch.Tensor) -> torch.Tensor:
         q_RI, scale_R1 = to_grid(x_RI)
@@ -191,13 +191,13 @@ class _Norm:
 @dataclass
 class _Layer:
     attn_norm: _Norm
-    qkv: _Linear
-    out: _Linear
+    qkv: GridLinear
+    out: GridLinear
     q_norm: _Norm | None
     k_norm: _Norm | None
     mlp_norm: _Norm
-    up: _Linear
-    down: _Linear
+    up: GridLinear
+    down: GridLinear
     value_exponent: int
     """The power of two of the layer's value grid."""
     value_scale: float = 1.0
@@ -221,7 +221,7 @@ class FixedWeights:
             None if model.pos_emb is None else model.pos_emb.weight.detach().to(device, torch.float64)
         )
         self.final_norm = _Norm.of(model.final_norm, device)
-        self.head = _Linear.of(model.lm_head, device)
+        self.head = GridLinear.of(model.lm_head, device)
         # the values' integers times the attention weights' (2**20), summed over seq_len positions
         self.value_bits = EXACT_BITS - WEIGHT_BITS - max(1, math.ceil(math.log2(cfg.seq_len)))
         self.layers = [self._layer(b, cfg.d_model or 0) for b in blocks]
@@ -231,13 +231,13 @@ class FixedWeights:
         a, dev = block.attn, self.device
         layer = _Layer(
             attn_norm=_Norm.of(block.attn_norm, dev),
-            qkv=_Linear.of(a.qkv_proj, dev),
-            out=_Linear.of(a.out_proj, dev),
+            qkv=GridLinear.of(a.qkv_proj, dev),
+            out=GridLinear.of(a.out_proj, dev),
             q_norm=None if a.q_norm is None else _Norm.of(a.q_norm, dev),
             k_norm=None if a.k_norm is None else _Norm.of(a.k_norm, dev),
             mlp_norm=_Norm.of(block.mlp_norm, dev),
-            up=_Linear.of(block.mlp.up_proj, dev),
-            down=_Linear.of(block.mlp.down_proj, dev),
+            up=GridLinear.of(block.mlp.up_proj, dev),
+            down=GridLinear.of(block.mlp.down_proj, dev),
             value_exponent=0,
         )
         start = (a.n_heads + a.n_kv_heads) * a.head_dim  # the value rows of the fused projection
@@ -277,6 +277,10 @@ class FixedStepper:
         self.values = [torch.zeros(shape, dtype=torch.float64, device=w.device) for _ in w.layers]
 
     def __call__(self, tokens_R: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.w.head(self.hidden(tokens_R, pos))
+
+    def hidden(self, tokens_R: torch.Tensor, pos: int) -> torch.Tensor:
+        """The final norm's outputs (R, D) at `pos`, which the output layer turns into logits."""
         w = self.w
         R, H, K, E = tokens_R.shape[0], w.n_heads, w.n_kv_heads, w.head_dim
         x = w.tok_emb[tokens_R]
@@ -306,7 +310,7 @@ class FixedStepper:
                 inner = (h + inner) * math.sqrt(2.0 / math.pi)
                 h = (h * 0.5) * (det_tanh(inner) + 1.0)
             x = x + layer.down(h)
-        return w.head(w.final_norm(x))
+        return w.final_norm(x)
 
     def _attend(self, i: int, q_RHE: torch.Tensor, pos: int, v_scale: float) -> torch.Tensor:
         w = self.w
