@@ -10,7 +10,12 @@ by decompressing with the model (as slow as compressing: the decoder runs the mo
 Speed is input KB (1000 bytes) per second of coding, model loading excluded. Printed: a line per file,
 the totals, and one JSON line last.
 
+With `--adapt`, each file is also coded by `tenx compress --adapt` (the output layer learning as it
+codes; its round trip verified too), against plain tenx as the baseline. `--files` codes the named files
+(every file under a directory) instead of the held-out documents.
+
     python bench/compress.py [--run runs/quickstart] [--max-files N] [--threads 1] [--device cpu]
+                             [--adapt] [--files PATH ...]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import zstandard
 
 from tenx import rundir
 from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
+from tenx.compress.container import CodecAdaptation
 from tenx.data.loader import TokenStream
 from tenx.data.manifest import read_manifest
 
@@ -72,6 +78,14 @@ def heldout_documents(codec: CodecModel) -> list[tuple[str, bytes]]:
     return list(zip(names, docs))
 
 
+def named_files(paths: list[str]) -> list[tuple[str, bytes]]:
+    """(name, bytes) of each named file, and of every regular file under each named directory (sorted)."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [(str(p), p.read_bytes()) for p in found]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -80,17 +94,19 @@ def main() -> None:
     parser.add_argument("--max-files", type=int, default=None, help="only the first N held-out documents")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while coding (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--adapt", action="store_true", help="also code each file with --adapt")
+    parser.add_argument("--files", nargs="+", help="code these files (directories: every file under them)")
     args = parser.parse_args()
     run = find_run(Path(args.run))
     if run is None:
         sys.exit(f"no run at {args.run}: make one with `tenx quickstart` (about 10 minutes on a CPU)")
     codec = load_codec(run, args.device)
-    docs = heldout_documents(codec)[: args.max_files]
+    docs = (named_files(args.files) if args.files else heldout_documents(codec))[: args.max_files]
     print(
         f"{run}: checkpoint {codec.checkpoint.name}, tokenizer {codec.tokenizer.kind}, {len(docs)} documents"
     )
-    sizes: dict[str, int] = {"tenx": 0, **dict.fromkeys(BASELINES, 0)}
-    seconds = {"compress": 0.0, "decompress": 0.0}
+    sizes: dict[str, int] = {"tenx": 0, **({"adapt": 0} if args.adapt else {}), **dict.fromkeys(BASELINES, 0)}
+    seconds = {"compress": 0.0, "decompress": 0.0, "adapt": 0.0}
     roundtrip_ok = True
     for name, doc in docs:
         started = time.perf_counter()
@@ -101,6 +117,12 @@ def main() -> None:
         seconds["decompress"] += time.perf_counter() - coded
         roundtrip_ok &= back == doc
         row = {"tenx": len(blob)}
+        if args.adapt:
+            started = time.perf_counter()
+            adaptive = compress_bytes(codec, doc, threads=args.threads, adapt=CodecAdaptation())
+            seconds["adapt"] += time.perf_counter() - started
+            roundtrip_ok &= decompress_bytes(codec, adaptive) == doc
+            row["adapt"] = len(adaptive)
         for tool, (pack, unpack) in BASELINES.items():
             packed = pack(doc)
             roundtrip_ok &= unpack(packed) == doc
@@ -116,6 +138,8 @@ def main() -> None:
         ratio_vs_xz=bpb["tenx"] / bpb["xz"] if total else None,
         kb_per_s=total / 1000 / seconds["compress"] if seconds["compress"] else None,
         decompress_kb_per_s=total / 1000 / seconds["decompress"] if seconds["decompress"] else None,
+        adapt_vs_plain=bpb["adapt"] / bpb["tenx"] if args.adapt and total else None,
+        adapt_kb_per_s=total / 1000 / seconds["adapt"] if seconds["adapt"] else None,
         roundtrip_ok=roundtrip_ok,
         files=len(docs),
         bytes=total,
@@ -137,6 +161,11 @@ def main() -> None:
             f"{result['kb_per_s']:.1f} KB/s, decompress {result['decompress_kb_per_s']:.1f} KB/s; "
             f"round trips {'all exact' if roundtrip_ok else 'FAILED'}"
         )
+        if args.adapt:
+            print(
+                f"tenx --adapt / tenx = {result['adapt_vs_plain']:.3f} (the plain codec is the baseline); "
+                f"compress --adapt {result['adapt_kb_per_s']:.1f} KB/s"
+            )
     print(json.dumps(result))
     if not roundtrip_ok:
         sys.exit(1)

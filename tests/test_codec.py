@@ -142,6 +142,13 @@ def test_the_fixed_point_steps_compute_the_models_logits(overrides):
         step = FixedStepper(FixedWeights(model, torch.device("cpu")), 3)
         fixed = torch.stack([step(tokens_BT[:, t], t) for t in range(cfg.seq_len)], dim=1)
         torch.testing.assert_close(fixed, model(tokens_BT).double(), atol=2e-3, rtol=2e-3)
+        # The encoder's one pass over every position gives the same bits as stepping (and a chunk shorter
+        # than seq_len too): that is what lets it skip the decoder's loop.
+        weights = FixedWeights(model, torch.device("cpu"))
+        for length in (cfg.seq_len, 7):
+            stepped = torch.stack([step.hidden(tokens_BT[:, t], t) for t in range(length)], dim=1)
+            at_once = FixedStepper(weights, 3).hidden_all(tokens_BT[:, :length])
+            assert torch.equal(at_once, stepped)
 
 
 def test_deterministic_functions_are_accurate():
