@@ -1,10 +1,12 @@
 """Model: parameter and FLOP counts against a hand count; every component variant runs and trains."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
+from tenx.errors import ConfigError
 from tenx.model import ModelConfig, Transformer, count_params, flops_per_token, lm_loss
 from tenx.model.config import round_up
 
@@ -144,3 +146,23 @@ def test_model_loss_with_targets_matches_logits_then_loss_in_bf16_autocast(monke
     assert abs(loss.item() - ref_loss.item()) < 1e-3 and abs(ce.item() - ref_ce.item()) < 1e-3
     for name, p in model.named_parameters():
         assert torch.allclose(fused[name], p.grad, rtol=0.05, atol=2e-4), name
+
+
+def test_dropout_only_while_training_and_none_drawn_without_it():
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=16, dropout=0.2).resolved(50)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 50, (2, 16))
+    model.train()
+    assert not torch.equal(model(tokens), model(tokens))  # a new mask each call
+    model.eval()
+    plain = Transformer(dataclasses.replace(cfg, dropout=0.0))
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    assert torch.equal(model(tokens), plain(tokens))
+    plain.train()  # without dropout, training draws no random numbers: the generator is untouched
+    state = torch.get_rng_state()
+    plain(tokens)
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ConfigError, match="model.dropout"):
+        ModelConfig(dropout=1.0).validate()

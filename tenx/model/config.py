@@ -65,6 +65,13 @@ class ModelConfig:
     rope_theta: float = field(10000.0, help="RoPE base frequency")
     norm_eps: float = field(1e-5, help="epsilon of the normalisation layers")
     init_std: float = field(0.02, help="standard deviation of weight initialisation")
+    dropout: float = field(
+        0.0,
+        ge=0,
+        lt=1,
+        help="dropout probability on the embeddings and on each attention and MLP output while training "
+        "(a regulariser when data repeats for several epochs; 0: none)",
+    )
 
     def validate(self) -> None:
         """Check bounds and divisibility; names the offending field."""

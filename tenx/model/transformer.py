@@ -146,10 +146,17 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
+        self.dropout = cfg.dropout
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        x_BTD = x_BTD + _dropout(self.attn(self.attn_norm(x_BTD), rope), self.dropout, self.training)
+        return x_BTD + _dropout(self.mlp(self.mlp_norm(x_BTD)), self.dropout, self.training)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout while training with p > 0; otherwise x itself (no random numbers drawn: runs without dropout
+    keep their exact bits and random streams)."""
+    return F.dropout(x, p, True) if training and p > 0 else x
 
 
 class Transformer(nn.Module):
@@ -209,6 +216,7 @@ class Transformer(nn.Module):
         x_BTD = self.tok_emb(tokens_BT)
         if self.pos_emb is not None:
             x_BTD = x_BTD + self.pos_emb.weight[:T]
+        x_BTD = _dropout(x_BTD, self.cfg.dropout, self.training)
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
             if self.checkpoint_blocks and self.training and torch.is_grad_enabled():
