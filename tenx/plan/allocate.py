@@ -8,7 +8,10 @@ what fits in `--days` when that is less. The fit from `tenx fit` (an L(N, D) law
 data-constrained) predicts the final loss. Choices are ranked by predicted final loss (losses within 0.1%
 of each other count as equal), then by wall-clock days: the best model the budget (and the days) buys, and
 the fastest way to train it on this cluster. Sizes from N*/8 to 8 N* (N*: the fit's compute-optimal size)
-a factor sqrt(2) apart are tried.
+a factor sqrt(2) apart are tried. With `--unique-tokens U` the data is limited to U unique tokens (repeated
+D/U times): the fit must be data-constrained (L(N, D, U)), the sizes are centred on its optimum under that
+limit (tenx.scaling.fit.data_limited_optimal), and each choice gives its epochs and its loss's interval (from
+the bootstrap fits `tenx fit` writes in the report).
 """
 
 from __future__ import annotations
@@ -61,7 +64,18 @@ def load_fit(path: str | Path) -> Any:
         raise ConfigError(f"--fit {path}: a data-constrained fit needs fit.params.R_D_star")
     order = names + (("R_D_star",) if law == "data-constrained" else ())  # the law's column order
     values = {k: float(params[k]) for k in order}
-    return FitResult(law, str(fit.get("form", "")), values, {}, np.zeros((0, len(values))), 0, 0.0)
+    samples = np.zeros((0, len(values)))
+    if fit.get("samples") is not None:  # `tenx fit` writes its bootstrap fits: the intervals come from them
+        try:
+            samples = np.array(fit["samples"], dtype=float).reshape(-1, len(values))
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"--fit {path}: fit.samples must be rows of {len(values)} numbers ({', '.join(order)})"
+            ) from None
+    level = fit.get("level", 0.95)
+    if not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ConfigError(f"--fit {path}: fit.level must be a number between 0 and 1, got {level!r}")
+    return FitResult(law, str(fit.get("form", "")), values, {}, samples, 0, 0.0, float(level))
 
 
 def choose(
@@ -74,19 +88,32 @@ def choose(
     days: float | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
     max_depth: int = 128,
+    unique_tokens: float | None = None,
 ) -> dict[str, Any]:
-    """Every candidate (size, strategy) with its memory check, step time, days and predicted loss, best first."""
+    """Every candidate (size, strategy) with its memory check, step time, days and predicted loss, best first.
+
+    With `unique_tokens` U the data is limited to U unique tokens, repeated for D/U epochs: the fit must be
+    data-constrained, sizes are centred on its optimum under the limit, each row gives its epochs and the
+    interval of its predicted loss."""
     from tenx.model.flops import count_params, flops_per_token
     from tenx.plan.estimate import estimate
-    from tenx.scaling.fit.frontier import compute_optimal
+    from tenx.scaling.fit.frontier import compute_optimal, data_limited_optimal
     from tenx.scaling.rungs import shape_for_depth
 
     if not budget > 0 or not math.isfinite(budget):
         raise ConfigError(f"--budget must be a positive number of FLOPs, got {budget}")
     if days is not None and not days > 0:
         raise ConfigError(f"--days must be positive, got {days}")
+    if unique_tokens is not None and not (unique_tokens > 0 and math.isfinite(unique_tokens)):
+        raise ConfigError(f"--unique-tokens must be a positive number of tokens, got {unique_tokens}")
+    if unique_tokens is not None and fit.law != "data-constrained":
+        raise ConfigError(
+            f"--unique-tokens needs a data-constrained fit (`tenx fit --law data-constrained`); "
+            f"--fit is {fit.law}"
+        )
     optimal = compute_optimal(fit, budget)
-    n_star = optimal["N"]
+    limited = data_limited_optimal(fit, budget, unique_tokens) if unique_tokens is not None else None
+    n_star = limited["N"] if limited is not None else optimal["N"]
     models = {depth: shape_for_depth(run.model, depth, vocab) for depth in range(1, max_depth + 1)}
     sizes = {depth: count_params(model).total for depth, model in models.items()}
     grid = [n_star * 2 ** (k / 2) for k in range(-6, 7)]  # N*/8 .. 8 N* in steps of sqrt(2)
@@ -123,11 +150,17 @@ def choose(
                     "mfu": plan.mfu,
                     "tokens_per_day": plan.tokens_per_day,
                     "days": tokens / plan.tokens_per_day,
-                    "loss": float(fit.predict(N=n, D=tokens)),
+                    "loss": float(fit.predict(N=n, D=tokens, U=unique_tokens)),
                 }
             )
+            if unique_tokens is not None:
+                rows[-1]["epochs"] = tokens / unique_tokens
+                rows[-1]["loss_interval"] = list(fit.predict_interval(N=n, D=tokens, U=unique_tokens))
     rows.sort(key=lambda r: (not r["fits"], _loss_bucket(r.get("loss")), r.get("days", math.inf)))
-    return {"budget": budget, "days_limit": days, "compute_optimal": optimal, "choices": rows}
+    out = {"budget": budget, "days_limit": days, "compute_optimal": optimal, "choices": rows}
+    if limited is not None:
+        out.update(unique_tokens=unique_tokens, data_limited_optimal=limited)
+    return out
 
 
 def _loss_bucket(loss: float | None) -> float:
@@ -142,15 +175,27 @@ def format_choices(result: dict[str, Any], top: int = 12) -> str:
         f"budget {result['budget']:.3g} FLOPs; the fit's compute-optimal point: N {opt['N']:.3g}, "
         f"D {opt['D']:.3g}, loss {opt['loss']:.4f}"
         + (f"; at most {result['days_limit']:g} days" if result["days_limit"] else ""),
-        f"{'rank':>4} {'depth':>5} {'d_model':>7} {'N':>9} {'strategy':>8} {'micro':>5} {'mem GB':>7} "
-        f"{'D':>9} {'D/N':>6} {'MFU':>6} {'days':>8} {'loss':>7}",
     ]
+    limited = result.get("data_limited_optimal")
+    if limited is not None:
+        lines.append(
+            f"with {result['unique_tokens']:.3g} unique tokens: N {limited['N']:.3g} "
+            f"{_interval(limited, 'N', '.3g')}, {limited['epochs']:.3g} epochs "
+            f"{_interval(limited, 'epochs', '.3g')}, "
+            f"loss {limited['loss']:.4f} {_interval(limited, 'loss', '.4f')}"
+        )
+    extra = f" {'epochs':>7} {'loss interval':>17}" if limited is not None else ""
+    lines.append(
+        f"{'rank':>4} {'depth':>5} {'d_model':>7} {'N':>9} {'strategy':>8} {'micro':>5} {'mem GB':>7} "
+        f"{'D':>9} {'D/N':>6} {'MFU':>6} {'days':>8} {'loss':>7}" + extra
+    )
     fitting = [r for r in result["choices"] if r["fits"]]
     for i, r in enumerate(fitting[:top], 1):
+        tail = f" {r['epochs']:>7.3g} {_interval(r, 'loss', '.4f'):>17}" if limited is not None else ""
         lines.append(
             f"{i:>4} {r['depth']:>5} {r['d_model']:>7} {r['N']:>9.3g} {r['strategy']:>8} {r['micro_batch']:>5} "
             f"{r['memory_gb']:>7.2f} {r['D']:>9.3g} {r['tokens_per_param']:>6.1f} {100 * r['mfu']:>5.1f}% "
-            f"{r['days']:>8.3g} {r['loss']:>7.4f}"
+            f"{r['days']:>8.3g} {r['loss']:>7.4f}" + tail
         )
     skipped = len(result["choices"]) - len(fitting)
     if skipped:
@@ -158,6 +203,14 @@ def format_choices(result: dict[str, Any], top: int = 12) -> str:
     if not fitting:
         lines.append("no choice fits: shard more (fsdp), add accelerators, or a smaller budget")
     return "\n".join(lines)
+
+
+def _interval(values: dict[str, Any], key: str, spec: str) -> str:
+    """'[low, high]' of values[key + '_interval'], or '[no interval]' (a fit without bootstrap samples)."""
+    low, high = values.get(f"{key}_interval") or (math.nan, math.nan)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "[no interval]"
+    return f"[{low:{spec}}, {high:{spec}}]"
 
 
 def register(plan_subparsers: Any) -> None:
@@ -185,6 +238,12 @@ def _choose_arguments(p: argparse.ArgumentParser) -> None:
         help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
         "50257, said to be assumed)",
     )
+    p.add_argument(
+        "--unique-tokens",
+        type=above(float, 0),
+        help="limit on unique training tokens U (repeated for D/U epochs): rank by a data-constrained "
+        "--fit's L(N, D, U), with each loss's interval (default: no limit)",
+    )
     p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
     p.add_argument("--json", help="also write every choice as JSON here (a new file, unless --force)")
     p.add_argument("--force", action="store_true", help="--json: replace an existing file")
@@ -204,7 +263,13 @@ def cmd_choose(args: argparse.Namespace) -> None:
     run = load_run_config(config, args.set)
     vocab = plan_vocab(run, args.vocab)
     result = choose(
-        run, load_cluster(args.cluster), load_fit(args.fit), args.budget, vocab=vocab.size, days=args.days
+        run,
+        load_cluster(args.cluster),
+        load_fit(args.fit),
+        args.budget,
+        vocab=vocab.size,
+        days=args.days,
+        unique_tokens=args.unique_tokens,
     )
     result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
     print(vocab.describe())

@@ -79,6 +79,7 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
 def cmd_derisk(args: argparse.Namespace) -> None:
     """Run a derisking study (or print its stack and runs)."""
     from tenx.hardware import set_torch_threads
+    from tenx.scaling.data_multiplier import run_data_derisk
     from tenx.scaling.derisk import derisk_from_args, run_derisk
     from tenx.scaling.ladder import parse_budgets
 
@@ -91,8 +92,11 @@ def cmd_derisk(args: argparse.Namespace) -> None:
         args.seeds,
         args.target,
         args.set + threads_override(args.threads),
+        mode=args.mode,
+        unique_tokens=args.unique_tokens,
+        compare_unique_tokens=args.compare_unique_tokens,
     )
-    run_derisk(dc, args.out, dry_run=args.dry_run)
+    (run_data_derisk if dc.mode == "data" else run_derisk)(dc, args.out, dry_run=args.dry_run)
 
 
 def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
@@ -113,6 +117,7 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
     )
     rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
     add_config_arguments(rp, DeriskConfig, ["seeds", "target"], overrides=True)
+    add_config_arguments(rp, DeriskConfig, ["mode", "unique_tokens", "compare_unique_tokens"], overrides=True)
     defaults = DeriskConfig()
     for action in rp._actions:  # flags that override the file: say the value used when neither gives one
         if action.dest in ("base", "budgets", "seeds") and "default" not in (action.help or ""):

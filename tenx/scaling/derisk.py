@@ -25,6 +25,9 @@ Verdicts read the trend line (least squares of log m on log C) at the smallest a
   extrapolated to the target budget is reported beside the verdict; a fading gain may cross 1 there);
 - *persists*: anything else that helps;
 - *hurts*: m <= 1 at both ends of the trend line (a fifth verdict: no gain to persist).
+
+With `mode = "data"` a study measures each change's effective *data* multiplier at a fixed budget of unique
+tokens instead (tenx/scaling/data_multiplier.py, which plans and analyses it with this module's pieces).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -91,6 +94,18 @@ class DeriskConfig:
     ladder: LadderConfig = field(
         default_factory=lambda: LadderConfig(grid="ratio"), help="how runs are shaped (grid is 'ratio')"
     )
+    mode: Literal["compute", "data"] = field(
+        "compute",
+        help="'compute': effective compute multipliers of a stack; 'data': effective data multipliers of "
+        "each change alone at a fixed unique-token budget (tenx/scaling/data_multiplier.py)",
+    )
+    unique_tokens: list[int] = field(
+        default_factory=list,
+        help="mode 'data': the baseline's unique-token budgets U, trained at every budget to fit L(N, D, U)",
+    )
+    compare_unique_tokens: int | None = field(
+        None, ge=2, help="mode 'data': the U the changes train at (default: the smallest of unique_tokens)"
+    )
 
     def validate(self) -> None:
         """Check bounds, budgets, changes and the grid; names the offending field."""
@@ -109,6 +124,35 @@ class DeriskConfig:
             raise ConfigError(f"change: names must be distinct, got {names}")
         if self.ladder.grid != "ratio":
             raise ConfigError("ladder.grid: derisking trains one size per budget; use 'ratio'")
+        if self.mode == "data":
+            self._validate_data_mode()
+        elif self.unique_tokens or self.compare_unique_tokens is not None:
+            raise ConfigError(
+                "unique_tokens, compare_unique_tokens: only mode 'data' uses them; set mode = \"data\" "
+                "(--mode data) or leave them out"
+            )
+
+    def _validate_data_mode(self) -> None:
+        if len(set(self.unique_tokens)) < 2:
+            raise ConfigError(
+                "unique_tokens: mode 'data' needs 2 or more distinct unique-token budgets, got "
+                f"{self.unique_tokens}"
+            )
+        for i, u in enumerate(self.unique_tokens):
+            if isinstance(u, bool) or not isinstance(u, int) or u < 2:
+                raise ConfigError(f"unique_tokens[{i}]: must be a whole number of tokens >= 2, got {u!r}")
+        if self.compare_unique_tokens is not None and self.compare_unique_tokens not in self.unique_tokens:
+            raise ConfigError(
+                f"compare_unique_tokens: {self.compare_unique_tokens} is not one of unique_tokens "
+                f"{self.unique_tokens}; the baseline must train at the U the changes are compared at"
+            )
+        if self.ladder.unique_tokens is not None:
+            raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
+
+    @property
+    def compare_u(self) -> int:
+        """Mode 'data': the unique-token budget the changes train at."""
+        return self.compare_unique_tokens or min(self.unique_tokens)
 
 
 def parse_change(text: str) -> ChangeConfig:
@@ -161,8 +205,10 @@ class Stage:
     runs: list[PlannedRun]
 
 
-def plan_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[Stage]:
-    """The stack's configs and their runs; every config uses the baseline's depth at each budget."""
+def prepare_stack(
+    dc: DeriskConfig, *, dry_run: bool = False
+) -> tuple[LadderConfig, list[str], dict[float, int]]:
+    """The study's ladder settings, the base overrides (with the prepared data) and the depth per budget."""
     dc.validate()
     lc = dataclasses.replace(dc.ladder, budgets=list(dc.budgets), seeds=1)
     overrides = list(dc.set)
@@ -173,7 +219,12 @@ def plan_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[Stage]:
     if prepared.model.vocab_size != base.model.vocab_size:  # a dry run plans with the vocabulary to be
         overrides.append(f"model.vocab_size={prepared.model.vocab_size}")
     base = load_base(dc.base, overrides)
-    depths = {r.budget: r.depth for r in plan_ladder(base, lc, "baseline")}
+    return lc, overrides, {r.budget: r.depth for r in plan_ladder(base, lc, "baseline")}
+
+
+def plan_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[Stage]:
+    """The stack's configs and their runs; every config uses the baseline's depth at each budget."""
+    lc, overrides, depths = prepare_stack(dc, dry_run=dry_run)
     stages = []
     for name, extra in [("baseline", []), *[(c.name, c.set) for c in dc.change]]:
         overrides = overrides + list(extra)
@@ -430,6 +481,8 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
 def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     """Train every config of the stack at every budget (reusing runs already in OUT), analyse, report."""
     out = Path(out)
+    if dc.mode == "data":
+        raise ConfigError("mode: 'data' studies run with tenx.scaling.data_multiplier.run_data_derisk")
     stages = plan_derisk(dc, dry_run=dry_run)
     if dry_run:
         for st in stages:
@@ -468,8 +521,11 @@ def derisk_from_args(
     seeds: int | None,
     target: float | None,
     sets: list[str],
+    **data_mode: Any,
 ) -> DeriskConfig:
-    """A DeriskConfig from a file and/or flags (flags win; --change flags replace the file's changes)."""
+    """A DeriskConfig from a file and/or flags (flags win; --change flags replace the file's changes).
+
+    `data_mode`: mode, unique_tokens, compare_unique_tokens (None or empty: the file's)."""
     dc = load_derisk(config) if config else DeriskConfig()
     if base:
         dc.base = base
@@ -483,6 +539,11 @@ def derisk_from_args(
         dc.seeds = seeds
     if target is not None:
         dc.target = target
+    for name, value in data_mode.items():
+        if name not in ("mode", "unique_tokens", "compare_unique_tokens"):
+            raise TypeError(f"derisk_from_args() got an unexpected keyword argument {name!r}")
+        if value is not None and value != []:
+            setattr(dc, name, value)
     try:
         cfglib.validate_tree(dc)
     except ConfigError as e:

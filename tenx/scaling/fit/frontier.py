@@ -61,6 +61,47 @@ def compute_optimal(fit: FitResult, C: float) -> dict[str, Any]:
     return out
 
 
+def data_limited_optimal(fit: FitResult, C: float, U: float, *, points: int = 801) -> dict[str, Any]:
+    """The N (and D = C/(6N), epochs D/U) of lowest loss for budget C when only U tokens are unique, from a
+    data-constrained fit; intervals from its bootstrap samples (each sample's own optimum)."""
+    if fit.law != "data-constrained":
+        raise TenxError(f"data_limited_optimal: needs a data-constrained fit, not {fit.law!r}")
+    if not (C > 0 and math.isfinite(C)) or not (U > 0 and math.isfinite(U)):
+        raise ConfigError(f"data_limited_optimal: C and U must be positive numbers, got C={C}, U={U}")
+    free = compute_optimal(fit, C)["N"]
+    centre = free if math.isfinite(free) and free > 0 else math.sqrt(C / 120)
+    # a data limit only pushes N up (fewer tokens, fewer repeats): search from N*/100 to 10^4 N*
+    grid = np.geomspace(centre / 100, centre * 1e4, points)
+    values = np.array([list(fit.params.values())])
+    ok = np.all(np.isfinite(fit.samples), axis=1) if len(fit.samples) else np.zeros(0, bool)
+    if ok.any():
+        values = np.vstack([values, fit.samples[ok]])
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss = np.exp(fit._log_predict(values, grid, C / (6 * grid), None, U))  # (S, M)
+    best = np.nanargmin(np.where(np.isfinite(loss), loss, np.inf), axis=1)
+    # refine each optimum by a parabola through its grid neighbours (in log N)
+    inner = np.clip(best, 1, points - 2)
+    rows = np.arange(len(values))
+    y0, y1, y2 = (loss[rows, inner + k] for k in (-1, 0, 1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shift = np.where(y0 - 2 * y1 + y2 > 0, 0.5 * (y0 - y2) / (y0 - 2 * y1 + y2), 0.0)
+    step = math.log(grid[1] / grid[0])
+    N = np.exp(np.log(grid[inner]) + np.clip(shift, -1, 1) * step)
+    N = np.where(best == inner, N, grid[best])
+    D = C / (6 * N)
+    with np.errstate(over="ignore", invalid="ignore"):
+        L = np.exp(fit._log_predict(values, N, D, None, U)).diagonal()
+    out: dict[str, Any] = {"C": C, "U": U, "N": float(N[0]), "D": float(D[0]), "epochs": float(D[0] / U)}
+    out["loss"] = float(L[0])
+    out["at_edge"] = bool(best[0] in (0, points - 1))
+    if len(values) > 1:
+        q = 100 * (1 - fit.level) / 2
+        for key, v in (("N", N[1:]), ("D", D[1:]), ("epochs", D[1:] / U), ("loss", L[1:])):
+            low, high = np.nanpercentile(v, [q, 100 - q])
+            out[f"{key}_interval"] = [float(low), float(high)]
+    return out
+
+
 def compute_for_loss(fit: FitResult, loss: float) -> float:
     """The compute C at which the fitted law reaches `loss` (on the compute-optimal frontier); inf if loss <= E."""
     E = fit.params["E"]

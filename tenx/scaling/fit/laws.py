@@ -399,8 +399,12 @@ def fit_compute(
 
 
 def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
-    """Muennighoff et al.'s effective tokens D' = U + U*R*(1 - exp(-R/R*)), with R = D/U - 1 repetitions."""
+    """Muennighoff et al.'s effective tokens D' = U + U*R*(1 - exp(-R/R*)), with R = D/U - 1 repetitions.
+
+    U counts the unique tokens a run reads, at most D (a run of D tokens over more unique ones reads D once).
+    """
     D, U = np.asarray(D, dtype=float), np.asarray(U, dtype=float)
+    U = np.minimum(U, D)
     R = np.maximum(D / U - 1.0, 0.0)
     return U + U * R_star * -np.expm1(-R / R_star)
 
@@ -464,6 +468,7 @@ def fit_data_constrained(
     """
     cfg = _config("fit_data_constrained", options)
     a = _check_arrays("fit_data_constrained", N=N, D=D, U=U, L=L)
+    a["U"] = np.minimum(a["U"], a["D"])  # unique tokens read: a single-epoch run reads D of them
     single = a["D"] <= a["U"] * (1 + 1e-9)
     if single.sum() < 5 or len(np.unique(a["N"][single])) < 2 or len(np.unique(a["D"][single])) < 2:
         raise DataError(

@@ -319,7 +319,9 @@ def run_fit(
                 np.flatnonzero(excluded),
             )
         ],
-        "fit": fit.to_dict(),
+        "fit": fit.to_dict(
+            samples=True
+        ),  # the bootstrap fits: `tenx plan choose` reads its intervals from them
         "predictions": predictions,
         "max_abs_rel_error": max((abs(p["rel_error"]) for p in predictions), default=None),
         "leave_largest_out": leave_largest_out(kept, law, **kw) if len(budget_groups(kept.fit)) > 1 else None,

@@ -1,0 +1,389 @@
+"""Effective data multipliers: what a change is worth in unique tokens when the data repeats (`tenx derisk`
+with `mode = "data"`).
+
+The baseline is trained at every budget (each budget is one scale: the ladder's `ratio` grid picks its
+depth N and it trains D = budget / F tokens) under each unique-token budget U of `unique_tokens`, so a run
+repeats its data D/U times; beside those runs, at each scale, one run reads fresh data (D tokens, no cap)
+and, for each U below D, one reads U tokens once. Muennighoff et al. (2023)'s data-constrained law
+
+    L(N, D, U) = E + A/N^alpha + B/D'^beta,   D' = U + U R* (1 - exp(-R/R*)),  R = D/U - 1
+
+is fitted to all of them (tenx.scaling.fit.fit_data_constrained: Chinchilla on the single-epoch runs, then
+the decay R* of repeated tokens on every run). Each change is trained alone on the baseline, at every
+scale, at U_c = `compare_unique_tokens` (default: the smallest U). Its **effective data multiplier** at a
+scale is
+
+    m = D'_needed / D'(D, U_c),   D'_needed = (B / (L_change - E - A/N^alpha))^(1/beta)
+
+the factor of unique tokens the baseline would need, repeated as often as the change's run repeats its
+own (D' is proportional to U at a fixed number of epochs), to reach the change's held-out loss. At a fixed
+compute the baseline could not get there by more unique data alone once it reads each token once, so the
+multiplier keeps the epochs, not the compute, fixed. m > 1 is a gain; m is infinite when the change beats
+the law's floor for that model size (E + A/N^alpha).
+
+Intervals combine the bootstrap of the law with seed noise (the smallest scale's runs at U_c train with
+`seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
+/ reverses / hurts) are tenx.scaling.derisk's, per decade of training compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tenx.errors import ConfigError, DataError
+from tenx.scaling.derisk import DeriskConfig, _fmt_m, prepare_stack, verdict
+from tenx.scaling.ladder import config_key, load_base, run_one
+from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
+from tenx.utils.io import atomic_write_json, atomic_write_text
+
+LAW_PARAMS = ("E", "A", "B", "alpha", "beta", "R_D_star")
+"""The data-constrained law's parameters, in FitResult's column order."""
+
+
+def effective_data_multiplier(values: np.ndarray, N: Any, D: Any, U: Any, loss: Any) -> np.ndarray:
+    """m = D'_needed / D'(D, U) (module doc) for law parameter rows `values` (S, 6) -> (S, M), the runs'
+    N, D, U and held-out loss broadcast to M values (or to (S, M), e.g. a loss per bootstrap row); inf
+    where the loss lies at or below the law's floor for N."""
+    from tenx.scaling.fit import effective_data
+
+    values = np.atleast_2d(np.asarray(values, dtype=float))
+    E, A, B, alpha, beta, r_star = (values[:, i : i + 1] for i in range(6))
+    N, D, U, loss = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (N, D, U, loss))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        gap = loss - E - A * N**-alpha
+        needed = np.where(gap > 0, (B / np.where(gap > 0, gap, 1.0)) ** (1.0 / beta), np.inf)
+        return needed / effective_data(D, U, r_star)
+
+
+# ----- planning --------------------------------------------------------------------------------------
+@dataclass
+class DataRun:
+    """One run of a data-mode study: its config ('baseline' or a change), scale (the budget that chose its
+    size), unique-token cap (None: fresh data) and the planned run."""
+
+    stage: str
+    scale: float
+    unique: int | None
+    run: PlannedRun
+
+
+def _tag(stage: str, unique: int | None, once: bool = False) -> str:
+    return (
+        stage
+        + ("-fresh" if unique is None else f"-U{unique:.2e}".replace("+", ""))
+        + ("-once" if once else "")
+    )
+
+
+def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun]:
+    """The baseline's runs (fresh, each U, each U once) and each change's at U_c, at every scale."""
+    if dc.mode != "data":
+        raise ConfigError(f"mode: {dc.mode!r}; plan_data_derisk plans mode 'data' studies")
+    lc, overrides, depths = prepare_stack(dc, dry_run=dry_run)
+    base = load_base(dc.base, overrides)
+    smallest = min(dc.budgets)
+    planned: list[DataRun] = []
+    for scale in sorted(dc.budgets):
+        one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
+        fresh = plan_ladder(base, one, _tag("baseline", None))[0]
+        planned.append(DataRun("baseline", scale, None, fresh))
+        for u in sorted(set(dc.unique_tokens)):
+            if u >= fresh.tokens:  # reads each token at most once: the fresh run is that point
+                continue
+            seeds = dc.seeds if scale == smallest and u == dc.compare_u else 1
+            capped = dataclasses.replace(one, unique_tokens=u, seeds=seeds)
+            planned += [
+                DataRun("baseline", scale, u, r) for r in plan_ladder(base, capped, _tag("baseline", u))
+            ]
+            once = dataclasses.replace(one, budgets=[u * fresh.flops_per_token])
+            try:
+                planned.append(
+                    DataRun("baseline", scale, None, plan_ladder(base, once, _tag("baseline", u, True))[0])
+                )
+            except ConfigError as e:
+                raise ConfigError(
+                    f"unique_tokens: one epoch of {u} tokens at depth {depths[scale]} is too short a run "
+                    f"({e}); raise the smallest unique_tokens or lower ladder.min_steps"
+                ) from None
+        for change in dc.change:
+            cfg = load_base(dc.base, overrides + list(change.set))
+            seeds = dc.seeds if scale == smallest else 1
+            capped = dataclasses.replace(one, unique_tokens=dc.compare_u, seeds=seeds)
+            planned += [
+                DataRun(change.name, scale, dc.compare_u, r)
+                for r in plan_ladder(cfg, capped, _tag(change.name, dc.compare_u))
+            ]
+    seen: set[str] = set()
+    out = []
+    for p in planned:
+        key = config_key(p.run.config)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+# ----- analysis --------------------------------------------------------------------------------------
+def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
+    return np.array([float(r[key]) for r in rows])
+
+
+def analyse_data(
+    baseline: list[dict[str, Any]], changes: dict[str, list[dict[str, Any]]], dc: DeriskConfig
+) -> dict[str, Any]:
+    """The law fitted on the baseline's rows, and each change's multiplier per scale with its interval,
+    trend and verdict. A row: budget (its scale), params, tokens, unique_tokens, heldout_loss."""
+    from tenx.scaling.fit import fit_data_constrained
+
+    try:
+        fit = fit_data_constrained(
+            _column(baseline, "params"),
+            _column(baseline, "tokens"),
+            _column(baseline, "unique_tokens"),
+            _column(baseline, "heldout_loss"),
+            bootstrap=dc.bootstrap,
+        )
+    except DataError as e:
+        raise DataError(f"{e} (baseline of the data-mode study: add budgets or unique_tokens)") from None
+    scales = sorted(dc.budgets)
+    smallest = scales[0]
+    # seed noise: pooled standard deviation of the held-out loss over the seeds at the smallest scale
+    compare = {"baseline": [r for r in baseline if r["budget"] == smallest and r.get("compare")], **changes}
+    groups = [
+        g
+        for g in ([r["heldout_loss"] for r in rows if r["budget"] == smallest] for rows in compare.values())
+        if len(g) > 1
+    ]
+    dof = sum(len(g) - 1 for g in groups)
+    sigma = (
+        math.sqrt(sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups) / dof) if dof else 0.0
+    )
+    point = np.array([[fit.params[k] for k in LAW_PARAMS]])
+    ok = np.all(np.isfinite(fit.samples), axis=1) if len(fit.samples) else np.zeros(0, bool)
+    samples = fit.samples[ok] if ok.any() else point
+    rng = np.random.default_rng(0)
+    target = dc.target or 100 * scales[-1]
+    logc = np.log10(np.array(scales))
+    q = 100 * (1 - fit.level) / 2
+    out_changes = []
+    for name, rows in changes.items():
+        at = [[r for r in rows if r["budget"] == s] for s in scales]
+        missing = [s for s, a in zip(scales, at) if not a]
+        if missing:
+            raise DataError(f"change {name!r}: no run at budget {missing[0]:.3g}")
+        N, D, U, L = (
+            np.array([np.mean([r[k] for r in a]) for a in at])
+            for k in ("params", "tokens", "unique_tokens", "heldout_loss")
+        )
+        n = np.array([len(a) for a in at])
+        m_point = effective_data_multiplier(point, N, D, U, L)[0]
+        noise = rng.normal(0.0, 1.0, (len(samples), len(L))) * (sigma / np.sqrt(n))[None, :]
+        m_samples = effective_data_multiplier(samples, N, D, U, L[None, :] + noise)
+        log_m = np.log10(np.clip(m_samples, 1e-300, 1e300))
+        slopes = np.polyfit(logc, log_m.T, 1)[0]
+        fin = np.isfinite(m_point) & (m_point > 0)
+        slope, intercept = (
+            np.polyfit(logc[fin], np.log10(m_point[fin]), 1) if fin.sum() >= 2 else (math.nan, math.nan)
+        )
+        entry: dict[str, Any] = {
+            "name": name,
+            "multipliers": [float(x) for x in m_point],
+            "low": _bound(log_m, q),
+            "high": _bound(log_m, 100 - q),
+            "slope_per_decade": float(slope),
+            "slope_interval": [float(np.percentile(slopes, q)), float(np.percentile(slopes, 100 - q))],
+            "fitted": [float(10 ** (intercept + slope * x)) for x in logc] if fin.sum() >= 2 else None,
+            "at_target": float(10 ** (intercept + slope * math.log10(target)))
+            if fin.sum() >= 2
+            else math.nan,
+            "scales": [
+                {
+                    "budget": s,
+                    "params": float(N[j]),
+                    "tokens": float(D[j]),
+                    "unique_tokens": float(U[j]),
+                    "epochs": float(D[j] / U[j]),
+                    "heldout_loss": float(L[j]),
+                    "seeds": int(n[j]),
+                }
+                for j, s in enumerate(scales)
+            ],
+        }
+        entry["verdict"] = verdict(entry, dc.tolerance)
+        out_changes.append(entry)
+    N_b, D_b, U_b, L_b = (_column(baseline, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
+    rel = fit.predict(N=N_b, D=D_b, U=U_b) / L_b - 1
+    return {
+        "mode": "data",
+        "budgets": scales,
+        "target": target,
+        "compare_unique_tokens": dc.compare_u,
+        "seed_sigma": sigma,
+        "law": fit.to_dict(),
+        "law_max_abs_rel_error": float(np.max(np.abs(rel))),
+        "baseline": [
+            {
+                **{k: r[k] for k in ("budget", "params", "tokens", "unique_tokens", "heldout_loss")},
+                "epochs": r["tokens"] / r["unique_tokens"],
+                "predicted": float(r["heldout_loss"] * (1 + e)),
+            }
+            for r, e in zip(baseline, rel)
+        ],
+        "changes": out_changes,
+    }
+
+
+def _bound(log_m: np.ndarray, q: float) -> list[float]:
+    """The q-th percentile of each column of log10 multipliers (clipped at +-300: inf beyond), as m."""
+    values = np.percentile(log_m, q, axis=0)
+    return [math.inf if v >= 299 else float(10**v) for v in values]
+
+
+# ----- report ----------------------------------------------------------------------------------------
+def format_data_derisk(result: dict[str, Any]) -> str:
+    """The Markdown report: the baseline's law, each change's data multiplier per scale, trends, verdicts."""
+    scales = result["budgets"]
+    law = result["law"]
+    first = result["changes"][0]["scales"] if result["changes"] else []
+    head = " | ".join(
+        f"C = {s:.2g} (N {p['params']:.3g}, {p['epochs']:.3g} epochs)" for s, p in zip(scales, first)
+    ) or " | ".join(f"C = {s:.2g}" for s in scales)
+    params = ", ".join(f"{k} {v:.4g}" for k, v in law["params"].items())
+    lines = [
+        "# Derisking report: effective data multipliers",
+        "",
+        f"Baseline law ({law['form']}): {params}; {law['n_points']} runs, largest error "
+        f"{100 * result['law_max_abs_rel_error']:.2f}% of the held-out loss.",
+        "",
+        "| scale | params | tokens | unique tokens | epochs | held-out loss | law |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(result["baseline"], key=lambda r: (r["budget"], r["params"], r["tokens"], -r["epochs"])):
+        lines.append(
+            f"| {r['budget']:.2g} | {r['params']:.3g} | {r['tokens']:.3g} | {r['unique_tokens']:.3g} | "
+            f"{r['epochs']:.3g} | {r['heldout_loss']:.4f} | {r['predicted']:.4f} |"
+        )
+    lines += [
+        "",
+        f"Effective data multiplier of each change (alone on the baseline) at "
+        f"{result['compare_unique_tokens']:,} unique tokens, with 95% intervals: the factor of unique tokens "
+        "the baseline would need, at the same epochs, to reach the change's held-out loss; > 1 is a gain. "
+        f"Trend: the factor per decade of compute. Extrapolated to C = {result['target']:.2g}.",
+        "",
+        f"| change | {head} | trend per decade | at target | verdict |",
+        "|---" * (len(scales) + 4) + "|",
+    ]
+    for ch in result["changes"]:
+        cells = " | ".join(_fmt_m(x, lo, hi) for x, lo, hi in zip(ch["multipliers"], ch["low"], ch["high"]))
+        lo, hi = ch["slope_interval"]
+        factor = [10 ** min(x, 300.0) if math.isfinite(x) else x for x in (ch["slope_per_decade"], lo, hi)]
+        trend = f"{factor[0]:.3g}x [{factor[1]:.3g}, {factor[2]:.3g}]"
+        lines.append(f"| {ch['name']} | {cells} | {trend} | {ch['at_target']:.2f} | **{ch['verdict']}** |")
+    lines += [
+        "",
+        "Seed noise (pooled std of held-out loss at the smallest scale): "
+        f"{result['seed_sigma']:.4f} nats/token.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
+    """Left: the baseline's held-out loss against epochs per scale, with the law; right: multipliers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tenx.scaling.fit import FitResult
+
+    law = result["law"]
+    fit = FitResult(law["law"], law["form"], law["params"], {}, np.zeros((0, len(law["params"]))), 0, 0.0)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
+    for size in sorted({(r["params"], r["tokens"]) for r in result["baseline"]}):
+        rows = [r for r in result["baseline"] if (r["params"], r["tokens"]) == size]
+        if len(rows) < 2:  # a single-epoch run of U tokens: a point of the fit, not of a curve
+            continue
+        (line,) = ax1.plot(
+            [r["epochs"] for r in rows], [r["heldout_loss"] for r in rows], "o", label=f"N {size[0]:.3g}"
+        )
+        epochs = np.geomspace(1.0, max(r["epochs"] for r in rows) * 1.5, 60)
+        ax1.plot(
+            epochs,
+            fit.predict(N=np.full_like(epochs, size[0]), D=np.full_like(epochs, size[1]), U=size[1] / epochs),
+            "-",
+            color=line.get_color(),
+            lw=0.8,
+        )
+    ax1.set_xscale("log")
+    ax1.set_xlabel("epochs (tokens / unique tokens) at the scale's compute")
+    ax1.set_ylabel("held-out loss (nats/token)")
+    ax1.set_title("baseline, with the data-constrained law")
+    ax1.grid(alpha=0.3, which="both")
+    ax1.legend(fontsize=8)
+    scales = np.array(result["budgets"])
+    any_shown = False
+    for ch in result["changes"]:
+        y = np.array(ch["multipliers"])
+        shown = np.isfinite(y) & (y > 0)  # an infinite multiplier (past the law's floor) has no point
+        with np.errstate(invalid="ignore"):  # inf - inf: no bar, as nan_to_num says below
+            err = np.clip(np.array([y - np.array(ch["low"]), np.array(ch["high"]) - y]), 0, None)
+        err = np.nan_to_num(err, nan=0.0, posinf=0.0)[:, shown]
+        ax2.errorbar(scales[shown], y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
+        any_shown |= bool(shown.any())
+    ax2.axhline(1.0, color="k", lw=0.8)
+    if any_shown:  # else an empty panel: every multiplier lies past the law's floor
+        ax2.set_xscale("log")
+        ax2.set_yscale("log", nonpositive="clip")
+    ax2.set_xlabel("training FLOPs of the scale")
+    ax2.set_ylabel("effective data multiplier")
+    ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+# ----- the whole study -------------------------------------------------------------------------------
+def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
+    """Train the baseline's and the changes' runs (reusing runs already in OUT), fit, report."""
+    out = Path(out)
+    planned = plan_data_derisk(dc, dry_run=dry_run)
+    if dry_run:
+        for name in ["baseline", *(c.name for c in dc.change)]:
+            print(f"{name}: {len([p for p in planned if p.stage == name])} runs")
+        print(format_ladder_plan([p.run for p in planned]))
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
+    t0 = time.perf_counter()
+    baseline: list[dict[str, Any]] = []
+    changes: dict[str, list[dict[str, Any]]] = {c.name: [] for c in dc.change}
+    for i, p in enumerate(planned, 1):
+        row = run_one(p.run, out / "ladder", dc.ladder)
+        state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
+        print(
+            f"[{i}/{len(planned)}] {p.run.name}: {row['epochs']:.3g} epochs, held-out "
+            f"{row['heldout_loss']:.4f} nats/token ({state})",
+            flush=True,
+        )
+        mine = {**row, "budget": p.scale, "compare": p.unique == dc.compare_u}
+        (baseline if p.stage == "baseline" else changes[p.stage]).append(mine)
+    result = analyse_data(baseline, changes, dc)
+    result["wall_s"] = time.perf_counter() - t0
+    atomic_write_json(out / "derisk.json", result)
+    report = format_data_derisk(result)
+    png = plot_data_report(result, out / "report.png")
+    atomic_write_text(out / "report.md", report + f"\n![multipliers]({png.name})\n")
+    print(report)
+    print(f"report: {out / 'report.md'}  plot: {png}  numbers: {out / 'derisk.json'}")
+    return result

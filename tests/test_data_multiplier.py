@@ -1,0 +1,294 @@
+"""Effective data multipliers (`tenx derisk` mode 'data', tenx/scaling/data_multiplier.py) on synthetic losses
+from a known data-constrained law, its plan and errors, and `tenx plan choose --unique-tokens`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tenx.cli import main
+from tenx.errors import ConfigError
+from tenx.scaling.data_multiplier import (
+    LAW_PARAMS,
+    analyse_data,
+    effective_data_multiplier,
+    format_data_derisk,
+    plan_data_derisk,
+)
+from tenx.scaling.derisk import ChangeConfig, DeriskConfig, load_derisk
+from tenx.scaling.fit import compute_optimal, data_limited_optimal, effective_data
+from tenx.scaling.fit.laws import FitResult
+from tenx.scaling.rungs import LadderConfig
+from tenx.train.config import CONFIG_DIR
+
+TRUE = {"E": 1.5, "A": 50.0, "B": 200.0, "alpha": 0.3, "beta": 0.3, "R_D_star": 5.0}
+"""The known law the synthetic losses come from."""
+
+
+def law(N, D, U):
+    """L(N, D, U) of TRUE (Muennighoff et al.'s effective data)."""
+    d_eff = effective_data(D, U, TRUE["R_D_star"])
+    return TRUE["E"] + TRUE["A"] / np.asarray(N, float) ** TRUE["alpha"] + TRUE["B"] / d_eff ** TRUE["beta"]
+
+
+def known_fit(samples=None):
+    return FitResult(
+        "data-constrained", "", dict(TRUE), {}, np.zeros((0, 6)) if samples is None else samples, 0, 0.0
+    )
+
+
+def test_the_multiplier_is_the_unique_tokens_the_law_needs_at_the_same_epochs():
+    values = np.array([[TRUE[k] for k in LAW_PARAMS]])
+    N, D, U = 2e6, 1e8, 1e7  # 10 epochs
+    for m in (0.5, 1.0, 3.0):  # the loss of m x the unique tokens, repeated as often
+        loss = law(N, m * D, m * U)
+        assert effective_data_multiplier(values, N, D, U, loss)[0, 0] == pytest.approx(m, rel=1e-9)
+    # a run of D tokens over more unique ones reads D of them once: its effective data is D, not U
+    assert effective_data(1e6, 1e9, 5.0) == pytest.approx(1e6)
+    floor = TRUE["E"] + TRUE["A"] / N ** TRUE["alpha"]  # no data reaches the law's floor for this size
+    assert effective_data_multiplier(values, N, D, U, floor)[0, 0] == math.inf
+
+
+SCALES = [(1e6, 4e7), (2.5e6, 1e8), (6e6, 2.4e8)]  # (N, D) of each scale: one model size per budget
+UNIQUE = [10_000_000, 20_000_000]
+GAINS = {  # true multiplier a * (C / C0) ** b of each change
+    "same": (2.0, 0.0),
+    "grow": (1.5, 0.3),
+    "fade": (4.0, -0.2),
+    "rev": (2.0, -0.5),
+    "bad": (0.5, 0.0),
+}
+
+
+def synthetic_study(noise=1e-4, seeds=2):
+    """Baseline rows like plan_data_derisk's (fresh, each U, each U read once) and each change's rows at
+    U_c, all from TRUE; the change's loss is the baseline's at m x U_c unique tokens, same epochs."""
+    rng = np.random.default_rng(1)
+    budgets = [6 * n * d for n, d in SCALES]
+    dc = DeriskConfig(
+        budgets=budgets,
+        change=[ChangeConfig(name=n, set=["optim.eps=1e-7"]) for n in GAINS],
+        mode="data",
+        unique_tokens=UNIQUE,
+        bootstrap=60,
+    )
+    baseline, changes = [], {n: [] for n in GAINS}
+
+    def row(budget, n, d, u, loss):
+        return {"budget": budget, "params": n, "tokens": d, "unique_tokens": u, "heldout_loss": float(loss)}
+
+    for budget, (n, d) in zip(budgets, SCALES):
+        k = seeds if budget == budgets[0] else 1
+        baseline.append(row(budget, n, d, 1e12, law(n, d, 1e12)))
+        for u in UNIQUE:
+            baseline.append(row(budget, n, u, 1e12, law(n, u, u)))
+            for _ in range(k if u == dc.compare_u else 1):
+                noisy = law(n, d, u) + (rng.normal(0, noise) if k > 1 else 0.0)
+                baseline.append({**row(budget, n, d, u, noisy), "compare": u == dc.compare_u})
+        for name, (a, b) in GAINS.items():
+            m = a * (budget / budgets[0]) ** b
+            u = dc.compare_u
+            for _ in range(k):
+                noisy = law(n, m * d, m * u) + (rng.normal(0, noise) if k > 1 else 0.0)
+                changes[name].append(row(budget, n, d, u, noisy))
+    return dc, baseline, changes
+
+
+def test_analysis_recovers_known_data_multipliers_intervals_and_verdicts():
+    dc, baseline, changes = synthetic_study()
+    result = analyse_data(baseline, changes, dc)
+    assert result["law"]["params"]["R_D_star"] == pytest.approx(TRUE["R_D_star"], rel=0.05)
+    assert result["law_max_abs_rel_error"] < 1e-3
+    assert 0 < result["seed_sigma"] < 3e-4
+    by = {c["name"]: c for c in result["changes"]}
+    for name, (a, b) in GAINS.items():
+        truth = [a * (budget / dc.budgets[0]) ** b for budget in dc.budgets]
+        got = by[name]
+        assert got["multipliers"] == pytest.approx(truth, rel=0.05), name
+        for x, lo, hi in zip(truth, got["low"], got["high"]):
+            assert lo <= x * 1.02 and x / 1.02 <= hi, (name, x, lo, hi)
+        assert got["slope_per_decade"] == pytest.approx(b, abs=0.03), name
+        assert [s["epochs"] for s in got["scales"]] == pytest.approx([4.0, 10.0, 24.0])
+    assert {n: by[n]["verdict"] for n in GAINS} == {
+        "same": "persists",
+        "grow": "grows",
+        "fade": "fades",
+        "rev": "reverses",
+        "bad": "hurts",
+    }
+    report = format_data_derisk(result)
+    assert "| grow |" in report and "**grows**" in report and "10,000,000 unique tokens" in report
+
+
+def test_wider_seed_noise_widens_the_intervals():
+    dc, baseline, changes = synthetic_study(noise=1e-4)
+    quiet = analyse_data(baseline, changes, dc)["changes"][0]
+    dc, baseline, changes = synthetic_study(noise=2e-3)
+    loud = analyse_data(baseline, changes, dc)["changes"][0]
+    width = [h / lo for lo, h in zip(quiet["low"], quiet["high"])]
+    assert all(h / lo > w for lo, h, w in zip(loud["low"], loud["high"], width))
+
+
+def test_too_few_single_epoch_runs_is_an_error_naming_the_fields():
+    dc, baseline, changes = synthetic_study()
+    repeated = [r for r in baseline if r["tokens"] > r["unique_tokens"]]
+    with pytest.raises(Exception, match="add budgets or unique_tokens"):
+        analyse_data(repeated + baseline[:2], changes, dc)
+
+
+def test_data_mode_config_errors_name_the_field(tmp_path):
+    dc = DeriskConfig(change=[ChangeConfig(name="x", set=["model.pos=rope"])], mode="data")
+    with pytest.raises(ConfigError, match="unique_tokens: mode 'data' needs 2 or more"):
+        dataclasses.replace(dc, unique_tokens=[1000]).validate()
+    with pytest.raises(ConfigError, match="compare_unique_tokens: 5000 is not one of unique_tokens"):
+        dataclasses.replace(dc, unique_tokens=[1000, 2000], compare_unique_tokens=5000).validate()
+    with pytest.raises(ConfigError, match="ladder.unique_tokens: mode 'data'"):
+        ladder = LadderConfig(grid="ratio", unique_tokens=100)
+        dataclasses.replace(dc, unique_tokens=[1000, 2000], ladder=ladder).validate()
+    assert dataclasses.replace(dc, unique_tokens=[3000, 1000]).compare_u == 1000
+    with pytest.raises(ConfigError, match="unique_tokens, compare_unique_tokens: only mode 'data'"):
+        dataclasses.replace(dc, mode="compute", unique_tokens=[1000, 2000]).validate()
+    with pytest.raises(ConfigError, match=r"unique_tokens\[1\]: must be a whole number of tokens >= 2"):
+        dataclasses.replace(dc, unique_tokens=[1000, -1]).validate()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        'mode = "data"\nunique_tokens = [1e6, 2e6]\n[[change]]\nname = "x"\nset = ["model.pos=rope"]\n'
+    )
+    with pytest.raises(ConfigError, match="unique_tokens"):
+        load_derisk(bad).validate()
+    out = tmp_path / "out"
+    argv = ["derisk", "--mode", "data", "--unique-tokens", "1000", "--change", "x:model.pos=rope", "--out"]
+    assert main([*argv, str(out)]) == 2
+
+
+def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_compared_one(tiny_data):
+    dc = DeriskConfig(
+        base=str(CONFIG_DIR / "tiny.toml"),
+        set=[f'data.dir="{tiny_data}"', "log.progress=false", "train.threads=1"],
+        budgets=[2e10, 4e10],
+        change=[ChangeConfig(name="rope", set=['model.pos="rope"'])],
+        seeds=2,
+        mode="data",
+        unique_tokens=[20_000, 40_000],
+        ladder=LadderConfig(grid="ratio", min_steps=20, max_depth=1),
+    )
+    planned = plan_data_derisk(dc)
+    by = {(p.stage, p.scale, p.unique, p.run.tokens, p.run.seed) for p in planned}
+    assert len(by) == len(planned)
+    for scale in dc.budgets:
+        fresh = [p for p in planned if p.stage == "baseline" and p.scale == scale and p.run.budget == scale]
+        tokens = {p.run.tokens for p in fresh}
+        assert len(tokens) == 1 and min(tokens) > 40_000  # each U below D: repeated
+        caps = sorted(p.run.config.data.max_unique_tokens or 0 for p in fresh)
+        seeds = 2 if scale == min(dc.budgets) else 1
+        assert caps == [0] + [20_000] * seeds + [40_000]
+        # each U read once at this size (a smaller scale of the same depth may have planned it already)
+        depth = fresh[0].run.depth
+        once = [p.run for p in planned if p.run.depth == depth and p.run.budget not in dc.budgets]
+        assert sorted(r.tokens for r in once) == pytest.approx([20_000, 40_000], rel=0.05)
+        assert all(r.config.data.max_unique_tokens is None and r.config.model.pos != "rope" for r in once)
+        rope = [p for p in planned if p.stage == "rope" and p.scale == scale]
+        assert len(rope) == seeds and {p.run.config.data.max_unique_tokens for p in rope} == {20_000}
+        assert {p.run.config.model.pos for p in rope} == {"rope"}
+        assert {p.run.depth for p in rope} == {fresh[0].run.depth}
+    with pytest.raises(ConfigError, match="unique_tokens: one epoch of 20 tokens"):
+        plan_data_derisk(dataclasses.replace(dc, unique_tokens=[20, 40_000], compare_unique_tokens=40_000))
+
+
+# ----- tenx plan choose --unique-tokens -----------------------------------------------------------------
+def test_the_data_limited_optimum_is_the_lowest_loss_the_law_allows():
+    fit = known_fit()
+    C = 1e19
+    free = compute_optimal(fit, C)
+    assert data_limited_optimal(fit, C, 1e15)["N"] == pytest.approx(free["N"], rel=1e-3)  # no real limit
+    for U in (1e9, 2e8):
+        best = data_limited_optimal(fit, C, U)
+        N = np.geomspace(free["N"] / 10, free["N"] * 1000, 400_001)
+        loss = law(N, C / (6 * N), U)
+        assert best["N"] == pytest.approx(N[np.argmin(loss)], rel=1e-3)
+        assert best["loss"] == pytest.approx(loss.min(), rel=1e-9)
+        assert best["epochs"] == pytest.approx(C / (6 * best["N"]) / U)
+        assert best["N"] > free["N"] and not best["at_edge"]  # repeats cost: a bigger model, fewer epochs
+    rng = np.random.default_rng(0)
+    samples = np.array([[v * (1 + rng.normal(0, 0.01)) for v in TRUE.values()] for _ in range(100)])
+    spread = data_limited_optimal(known_fit(samples), C, 2e8)
+    assert spread["loss_interval"][0] < spread["loss"] < spread["loss_interval"][1]
+    assert spread["N_interval"][0] < spread["N"] < spread["N_interval"][1]
+
+
+def test_plan_choose_with_a_data_limit_ranks_by_the_data_constrained_law(tmp_path, capsys):
+    from tenx.plan.allocate import choose, load_fit
+    from tenx.plan.estimate import load_cluster
+    from tenx.train.config import load_run_config, resolve_config_path
+
+    rng = np.random.default_rng(0)
+    samples = [[v * (1 + rng.normal(0, 0.01)) for v in TRUE.values()] for _ in range(50)]
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"fit": {"law": "data-constrained", "params": TRUE, "samples": samples}}))
+    fit = load_fit(path)
+    assert fit.samples.shape == (50, 6)
+    run = load_run_config(resolve_config_path("gpt2-d12"))
+    cluster = load_cluster("h100-node")
+    C, U = 1e19, 2e8
+    result = choose(run, cluster, fit, C, vocab=50257, unique_tokens=U)
+    fitting = [r for r in result["choices"] if r["fits"]]
+    best = fitting[0]
+    assert best["loss"] == pytest.approx(min(r["loss"] for r in fitting), rel=1e-3)
+    limited = result["data_limited_optimal"]
+    assert limited["N"] / 1.5 < best["N"] < limited["N"] * 1.5
+    for r in fitting:
+        assert r["loss"] == pytest.approx(float(law(r["N"], r["D"], U)))
+        assert r["epochs"] == pytest.approx(r["D"] / U)
+        assert r["loss_interval"][0] < r["loss"] < r["loss_interval"][1]
+    plain = choose(run, cluster, fit, C, vocab=50257)  # without a limit the law reads D fresh tokens
+    assert plain["choices"][0]["loss"] < best["loss"] and "epochs" not in plain["choices"][0]
+    chinchilla = tmp_path / "chinchilla.json"
+    params = {k: TRUE[k] for k in ("E", "A", "B", "alpha", "beta")}
+    chinchilla.write_text(json.dumps({"fit": {"law": "chinchilla", "params": params}}))
+    with pytest.raises(ConfigError, match="--unique-tokens needs a data-constrained fit"):
+        choose(run, cluster, load_fit(chinchilla), C, vocab=50257, unique_tokens=U)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fit": {"law": "data-constrained", "params": TRUE, "samples": [[1, 2]]}}))
+    with pytest.raises(ConfigError, match="fit.samples must be rows of 6 numbers"):
+        load_fit(bad)
+    argv = ["plan", "choose", "--config", "gpt2-d12", "--cluster", "h100-node", "--fit", str(path)]
+    assert main([*argv, "--budget", "1e19", "--unique-tokens", "2e8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "with 2e+08 unique tokens: N" in out and "epochs" in out and "loss interval" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--budget", "1e19", "--unique-tokens", "-1"])
+    assert "--unique-tokens" in capsys.readouterr().err
+
+
+def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys):
+    """Two sizes, two unique-token budgets and one change on the tiny corpus: every run trains, the law is
+    fitted, the report and plot are written, and a second call reuses every run."""
+    study = tmp_path / "study.toml"
+    study.write_text(
+        'base = "tiny"\n'
+        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false', 'train.threads=1']\n"
+        'budgets = [2e10, 1.2e11]\nseeds = 1\nbootstrap = 20\nmode = "data"\nunique_tokens = [20000, 40000]\n'
+        '[[change]]\nname = "rope"\nset = [\'model.pos="rope"\']\n'
+        '[ladder]\ngrid = "ratio"\nmin_steps = 20\nmax_depth = 2\ntokens_per_param = 0.5\n'
+        "min_tokens_per_param = 0.1\neval_bytes = 20000\nevals_per_run = 0\n"
+    )
+    out = tmp_path / "out"
+    assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/12] baseline-fresh-C2.00e10-d1" in printed  # 2 sizes x (fresh, 2 U, 2 U once, rope)
+    result = json.loads((out / "derisk.json").read_text())
+    assert result["mode"] == "data" and result["law"]["law"] == "data-constrained"
+    assert len(result["baseline"]) == 10 and result["law"]["n_points"] == 10
+    (rope,) = result["changes"]
+    assert [s["epochs"] for s in rope["scales"]] == pytest.approx(
+        [2.15, 2.15], rel=0.01
+    )  # 43,008 over 20,000
+    assert [s["unique_tokens"] for s in rope["scales"]] == [20000, 20000]
+    assert rope["verdict"] in ("grows", "persists", "fades", "reverses", "hurts")
+    assert "| rope |" in (out / "report.md").read_text() and (out / "report.png").stat().st_size > 10000
+    assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("(reused)") == 12
