@@ -292,3 +292,15 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
     assert "| rope |" in (out / "report.md").read_text() and (out / "report.png").stat().st_size > 10000
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("(reused)") == 12
+
+
+def test_a_bootstrap_fit_whose_coefficient_underflowed_still_fits_r_star():
+    """A resample can drive A (or B, E) to exp(-800) = 0.0; its term then vanishes instead of raising
+    'math domain error' (the data-efficiency study crashed on exactly that)."""
+    from tenx.scaling.fit.laws import _fit_r_star
+
+    N, D, U = np.array([1e5, 1e6, 1e6]), np.array([1e6, 4e6, 4e6]), np.array([1e5, 1e6, 4e6])
+    logL = np.log(np.array([2.2, 2.0, 1.9]))
+    for base in ([1.0, 0.0, 100.0, 0.3, 0.3], [1.0, 50.0, 0.0, 0.3, 0.3], [0.0, 50.0, 100.0, 0.3, 0.3]):
+        r_star = _fit_r_star(np.array(base), N, D, U, logL, 1e-3)
+        assert math.isfinite(r_star) and r_star > 0

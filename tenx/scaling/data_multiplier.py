@@ -43,6 +43,8 @@ from tenx.scaling.ladder import config_key, load_base, run_one
 from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
+SHOWN = (0.01, 100.0)
+"""The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
 LAW_PARAMS = ("E", "A", "B", "alpha", "beta", "R_D_star")
 """The data-constrained law's parameters, in FitResult's column order."""
 
@@ -333,7 +335,11 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
         y = np.array(ch["multipliers"])
         shown = np.isfinite(y) & (y > 0)  # an infinite multiplier (past the law's floor) has no point
         with np.errstate(invalid="ignore"):  # inf - inf: no bar, as nan_to_num says below
-            err = np.clip(np.array([y - np.array(ch["low"]), np.array(ch["high"]) - y]), 0, None)
+            low = np.clip(
+                np.array(ch["low"], dtype=float), SHOWN[0], SHOWN[1]
+            )  # an infinite bound: off the axis
+            high = np.clip(np.array(ch["high"], dtype=float), SHOWN[0], SHOWN[1])
+            err = np.clip(np.array([y - low, high - y]), 0, None)
         err = np.nan_to_num(err, nan=0.0, posinf=0.0)[:, shown]
         ax2.errorbar(scales[shown], y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
         any_shown |= bool(shown.any())
@@ -341,6 +347,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     if any_shown:  # else an empty panel: every multiplier lies past the law's floor
         ax2.set_xscale("log")
         ax2.set_yscale("log", nonpositive="clip")
+        ax2.set_ylim(*SHOWN)
     ax2.set_xlabel("training FLOPs of the scale")
     ax2.set_ylabel("effective data multiplier")
     ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")

@@ -409,6 +409,11 @@ def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
     return U + U * R_star * -np.expm1(-R / R_star)
 
 
+def _log(x: float) -> float:
+    """log x, and -inf for a coefficient a bootstrap fit drove to 0 (exp underflowed): its term vanishes."""
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _fit_r_star(
     base: np.ndarray,
     N: np.ndarray,
@@ -420,15 +425,15 @@ def _fit_r_star(
 ) -> float:
     """With E, A, B, alpha, beta fixed, the R*_D minimising the Huber loss (1-D, L-BFGS-B from a grid)."""
     E, A, B, alpha, beta = base
-    n_term = math.log(A) - alpha * np.log(N)
+    n_term = _log(A) - alpha * np.log(N)
 
     def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
         r_star = math.exp(float(x[0]))
         R = np.maximum(D / U - 1.0, 0.0)
         decay = np.exp(-R / r_star)
         d_eff = U + U * r_star * (1 - decay)
-        d_term = math.log(B) - beta * np.log(d_eff)
-        pred = np.logaddexp(np.logaddexp(n_term, d_term), math.log(E))
+        d_term = _log(B) - beta * np.log(d_eff)
+        pred = np.logaddexp(np.logaddexp(n_term, d_term), _log(E))
         r = pred - logL
         quadratic = np.abs(r) <= delta
         loss = np.where(quadratic, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta)
