@@ -127,6 +127,7 @@ SKIPS = [
     ("*", r"^pip install", "installs packages: the test runs the installed tenx (pip install -e .)"),
     ("README.md", r"^python -m pytest", "runs the whole test suite, this test included"),
     ("docs/distributed.md", r"--nnodes 4", "needs 4 machines with 8 GPUs each and a rendezvous host HOST0"),
+    ("docs/distributed.md", r"^sbatch ", "submits to a Slurm cluster (tests/test_slurm.py runs the script)"),
     (
         "docs/multi-cluster.md",
         r"^TENX_REPLICA_GROUP=\d torchrun",

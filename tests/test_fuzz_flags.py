@@ -40,6 +40,7 @@ ZERO_MEANS = {
     ("train", "--backoff"): "restart at once",
     ("train", "--heartbeat-timeout"): "no hang watchdog",
     ("train", "--fault-seed"): "seed 0",
+    ("train", "--gpus-per-node"): "with --emit slurm: no GPUs asked for (a CPU partition)",
     ("status", "--events"): "no recent events listed",
     ("ladder", "--min-tokens-per-param"): "no lower bound",
     ("ladder", "--eval-bytes"): "the whole split",

@@ -1,4 +1,5 @@
-"""Every script tenx writes (`data prepare --emit slurm`, `ladder --emit torchrun|slurm`) with hostile values:
+"""Every script tenx writes (`data prepare --emit slurm`, `train --emit slurm`, `ladder --emit torchrun|slurm`)
+with hostile values:
 a value that cannot go into a `#SBATCH` line is refused by name, and every value on a shell line reaches
 the command as one argument, run by a real bash with stand-ins for torchrun, sbatch and python."""
 
@@ -140,3 +141,46 @@ def test_ladder_slurm_scripts_refuse_what_cannot_go_into_a_sbatch_line(tiny_data
     calls = _recorded(tmp_path)
     assert [c[0] for c in calls] == ["sbatch"] * (len(scripts) + 1)
     assert calls[-1][calls[-1].index("--wrap") + 1].startswith("tenx ladder ")
+
+
+@pytest.mark.parametrize("flag", ["--partition", "--time"])
+def test_train_refuses_values_that_cannot_go_into_a_sbatch_line(tmp_path, capsys, flag):
+    args = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), "--emit", "slurm"]
+    for value in HOSTILE:
+        assert main([*args, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err
+    assert main([*args[:3], "--run-dir", str(tmp_path / "my run"), "--emit", "slurm"]) == 2
+    assert "--run-dir" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.sbatch")) and not list(tmp_path.rglob("PWNED"))
+
+
+def test_train_script_passes_hostile_paths_as_single_arguments(tmp_path, monkeypatch):
+    weird = tmp_path / "lab's $(touch PWNED);`x`"
+    weird.mkdir()
+    monkeypatch.chdir(weird)
+    config = weird / "my $(touch PWNED) config.toml"
+    config.write_text((Path(__file__).resolve().parents[1] / "configs" / "tiny.toml").read_text())
+    run = tmp_path / "runs" / "r1"
+    args = [
+        "train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run),
+        "--set",
+        'data.dir="d b;$(touch PWNED)`c`"',
+    ]
+    assert main([*args, "--emit", "slurm", "--nodes", "2", "-o", "it's.sbatch"]) == 0
+    script = weird / "it's.sbatch"
+    _sbatch_header_is_whole(script.read_text())
+    env = {**_recorders(tmp_path), "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": "4"}
+    env["SLURM_JOB_NODELIST"] = "n[1-2]"
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    scontrol, (program, *argv) = _recorded(tmp_path)
+    assert scontrol[0] == "scontrol" and program == "srun"
+    assert argv[argv.index("--config") + 1] == str(config)
+    assert argv[argv.index("--run-dir") + 1] == str(run)
+    assert argv[argv.index("--set") + 1] == 'data.dir="d b;$(touch PWNED)`c`"'
+    assert not list(tmp_path.rglob("PWNED"))

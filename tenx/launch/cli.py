@@ -2,7 +2,8 @@
 and `tenx quickstart` (prepare, train and evaluate on the standard library; tenx/quickstart.py).
 
 The supervisor's flags (`--max-restarts`, `--backoff`, `--launcher`, ...) are generated from the fields of
-SupervisorConfig, the `[supervisor]` section (tenx/launch/supervise.py). An entry point like
+SupervisorConfig, the `[supervisor]` section (tenx/launch/supervise.py). `tenx train ... --emit slurm`
+writes the run's Slurm job instead of training (tenx/launch/slurm.py). An entry point like
 tenx/launch/worker.py, this module sits in the top layer: a run it trains is watched by tenx.scaling's
 self-extrapolation.
 """
@@ -17,9 +18,16 @@ from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
 from tenx.errors import TenxError
-from tenx.utils.cli import add_set, subcommand
+from tenx.utils.cli import add_set, at_least, subcommand
 
-SUPERVISOR_FLAGS = ("max_restarts", "same_failure_limit", "backoff_s", "heartbeat_timeout_s", "launcher")
+SUPERVISOR_FLAGS = (
+    "max_restarts",
+    "same_failure_limit",
+    "backoff_s",
+    "heartbeat_timeout_s",
+    "launcher",
+    "node_env",
+)
 """The SupervisorConfig fields `tenx train` takes as flags."""
 SUPERVISOR_FLAG_NAMES = {"backoff_s": "--backoff", "heartbeat_timeout_s": "--heartbeat-timeout"}
 """Supervisor flags not named after their field."""
@@ -38,6 +46,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         overrides.append(f"faults.seed={args.fault_seed}")
     cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
+    emit_only = [f for f, given in _emit_flags_given(args).items() if given]
+    if emit_only and not args.emit:
+        raise TenxError(
+            f"{', '.join(emit_only)}: only with --emit slurm (they describe the Slurm job it writes)"
+        )
+    if args.emit:
+        path = emit_train_job(args, cfg, config_path, run_dir, overrides)
+        print(
+            f"wrote {path}: submit it with `sbatch {path}`; the job trains {run_dir} (its log: slurm-JOBID.out)"
+        )
+        return
     if args.supervise:
         from tenx.launch.supervise import SupervisorConfig, child_environment, format_supervision, supervise
 
@@ -71,6 +90,71 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"run directory: {run_dir}  (metrics: {RunDir(run_dir).metrics}, status: tenx status {run_dir})")
 
 
+def _emit_flags_given(args: argparse.Namespace) -> dict[str, bool]:
+    from tenx.launch.slurm import RDZV_PORT
+
+    return {
+        "--nodes": args.nodes != 1,
+        "--nproc-per-node": args.nproc_per_node != 8,
+        "--gpus-per-node": args.gpus_per_node is not None,
+        "--partition": args.partition is not None,
+        "--time": args.time is not None,
+        "--rdzv-port": args.rdzv_port != RDZV_PORT,
+        "--script": args.script is not None,
+        "--force": args.force,
+    }
+
+
+def emit_train_job(
+    args: argparse.Namespace, cfg: Any, config_path: Path, run_dir: Path, overrides: list[str]
+) -> Path:
+    """`tenx train ... --emit slurm`: write the sbatch script that trains this run on `--nodes` nodes
+    (tenx/launch/slurm.py); returns its path (default RUN_DIR.sbatch)."""
+    from tenx.launch.slurm import SlurmJob, job_script, write_job_script
+    from tenx.launch.supervise import SupervisorConfig
+    from tenx.train.config import accumulation_steps
+    from tenx.utils.io import check_output_file
+
+    if args.launcher:
+        raise TenxError("--launcher with --emit slurm: the job script starts torchrun itself; leave it out")
+    if args.node_env:
+        raise TenxError("--node-env with --emit slurm: the job script sets it itself; leave it out")
+    if args.resume not in (None, "auto"):
+        raise TenxError(
+            f"--resume {args.resume} with --emit slurm: the job always resumes with --resume auto"
+        )
+    job = SlurmJob(
+        run_dir.absolute().name,
+        run_dir,
+        args.nodes,
+        args.nproc_per_node,
+        args.gpus_per_node,
+        args.partition,
+        args.time,
+        args.rdzv_port,
+        flags={"log_dir": "--run-dir", "name": "--run-dir"},
+    )
+    job.validate()
+    if cfg.train.global_batch is not None and cfg.parallel.replicas.mode == "off":  # groups: known at start
+        try:
+            accumulation_steps(cfg.train, job.nodes * job.nproc_per_node)
+        except TenxError as e:
+            raise TenxError(f"--nodes {job.nodes} x --nproc-per-node {job.nproc_per_node}: {e}") from None
+    script = check_output_file(args.script or f"{run_dir}.sbatch", force=args.force, flag="--script")
+    train_args = ["--config", str(config_path), "--run-dir", str(run_dir)]
+    for item in overrides:
+        train_args += ["--set", item]
+    defaults = SupervisorConfig()
+    supervisor_args: list[str] = []
+    for name in SUPERVISOR_FLAGS[:4]:
+        if getattr(args, name) != getattr(defaults, name):
+            flag = SUPERVISOR_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+            supervisor_args += [flag, str(getattr(args, name))]
+    text = job_script(job, train_args, supervisor_args)  # checks every #SBATCH value before writing
+    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's log there
+    return write_job_script(script, text)
+
+
 def _train_arguments(tp: argparse.ArgumentParser) -> None:
     from tenx.launch.supervise import SupervisorConfig
 
@@ -99,6 +183,45 @@ def _train_arguments(tp: argparse.ArgumentParser) -> None:
         "--predict", metavar="PREDICTION_JSON", help="watch the run against it (monitor.prediction)"
     )
     add_config_arguments(tp, SupervisorConfig, SUPERVISOR_FLAGS[4:])
+    _emit_arguments(tp)
+
+
+def _emit_arguments(tp: argparse.ArgumentParser) -> None:
+    from tenx.launch.slurm import RDZV_PORT
+
+    slurm = tp.add_argument_group(
+        "--emit slurm: write a Slurm job that trains this run (docs/distributed.md)"
+    )
+    slurm.add_argument(
+        "--emit",
+        choices=["slurm"],
+        help="write an sbatch script (supervised torchrun on every node, requeued with --resume auto after "
+        "a SIGTERM); train nothing",
+    )
+    slurm.add_argument(
+        "--nodes", type=at_least(int, 1, 100_000), default=1, help="with --emit: nodes of the job"
+    )
+    slurm.add_argument(
+        "--nproc-per-node", type=at_least(int, 1, 1024), default=8, help="with --emit: ranks (GPUs) per node"
+    )
+    slurm.add_argument(
+        "--gpus-per-node",
+        type=at_least(int, 0, 1024),
+        default=None,
+        help="with --emit: GPUs per node (default --nproc-per-node; 0: none)",
+    )
+    slurm.add_argument("--partition", help="with --emit: the Slurm partition (default: the cluster's)")
+    slurm.add_argument(
+        "--time", help="with --emit: the job's time limit, e.g. 1-00:00:00 (default: the partition's)"
+    )
+    slurm.add_argument(
+        "--rdzv-port",
+        type=at_least(int, 1, 65535),
+        default=RDZV_PORT,
+        help="with --emit: the rendezvous port on the first node",
+    )
+    slurm.add_argument("-o", "--script", help="with --emit: the script to write (default RUN_DIR.sbatch)")
+    slurm.add_argument("--force", action="store_true", help="with --emit: replace an existing --script")
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:

@@ -23,6 +23,13 @@ torch and tenx imported and waits on its stdin for its arguments (single-process
 supervisor also watches the run's ledger as a heartbeat (`heartbeat_timeout_s`): a child that writes no
 step for that long gets SIGUSR1 (its stacks are dumped to the run directory) and then SIGKILL, which
 catches hangs the in-process watchdog cannot see (C code that never releases the GIL).
+
+A multi-node job runs one supervisor per node around that node's torchrun (the Slurm script of
+tenx/launch/slurm.py). `node_env` names the environment variable holding the node's index (SLURM_NODEID):
+then no supervisor holds the run directory's lock (training rank 0 does, on whichever node the rendezvous
+puts it), and only node 0's writes the ledger's launch and exit records, its events and data skips, so the
+run's records count each attempt once. Every node's supervisor restarts its own torchrun; the restarted
+torchruns meet again at the rendezvous.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tenx import config as cfglib
+from tenx.errors import TenxError
 from tenx.monitor.events import EventLog, read_events
 from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.rundir import RunDir
@@ -88,6 +96,11 @@ class SupervisorConfig:
     )
     warm_spare: bool = cfglib.field(
         True, help="keep the next interpreter started, torch imported (default launcher only)"
+    )
+    node_env: str = cfglib.field(
+        "",
+        help="with --supervise in a multi-node job: the environment variable holding this node's index "
+        "(SLURM_NODEID); rank 0 then holds the run's lock, and only node 0's supervisor writes the ledger",
     )
 
     def validate(self) -> None:
@@ -252,6 +265,10 @@ def supervise(
     launcher = shlex.split(cfg.launcher) or None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    node = node_index(cfg.node_env)
+    if node is not None:  # one supervisor per node: the lock is rank 0's, the records node 0's
+        env = {**(os.environ if env is None else env), SUPERVISED_ENV: "1"}
+        return _supervise(train_args, run_dir, cfg, launcher, resume, env, records=node == 0)
     lock = RunDir(run_dir).writer_lock
     with exclusive_writer(lock, "run directory"):  # its children write under it
         env = {**(os.environ if env is None else env), SUPERVISED_ENV: "1", **holder_environment(lock)}
@@ -265,6 +282,7 @@ def _supervise(
     launcher: list[str] | None,
     resume: str | None,
     env: dict[str, str],
+    records: bool = True,
 ) -> SupervisorReport:
     max_restarts, same_failure_limit = cfg.max_restarts, cfg.same_failure_limit
     events, ledger = EventLog(run_dir), Ledger(run_dir)
@@ -291,7 +309,8 @@ def _supervise(
                 if (attempt or resume)
                 else train_args
             )
-            ledger.launch(attempt)
+            if records:
+                ledger.launch(attempt)
             started, launched_at = time.monotonic(), time.time()
             child = spares.take(args)
             if child is None:
@@ -299,7 +318,8 @@ def _supervise(
             spares.warm()
             returncode = _wait(child, run_dir, cfg.heartbeat_timeout_s, events, attempt)
             reason = describe_exit(returncode)
-            ledger.exit(attempt, returncode, reason)
+            if records:
+                ledger.exit(attempt, returncode, reason)
             start_step, last_step = _steps_of(run_dir, attempt)
             report.attempts.append(
                 Attempt(
@@ -318,7 +338,7 @@ def _supervise(
             prev = report.attempts[-2] if len(report.attempts) > 1 else None
             same = prev is not None and (prev.returncode, prev.last_step) == (returncode, last_step)
             same_failures = same_failures + 1 if same else 1
-            if same and returncode == 1:
+            if same and returncode == 1 and records:
                 _skip_crashing_data(run_dir, events, launched_at)
             where = describe_failure_point(
                 [e for e in read_events(run_dir) if float(e.get("time", 0)) >= launched_at], last_step
@@ -335,9 +355,15 @@ def _supervise(
             progressed = last_step is not None and (start_step is None or last_step > start_step)
             no_progress = 0 if progressed else no_progress + 1
             delay = min(60.0, cfg.backoff_s * 2 ** (no_progress - 1)) if no_progress else 0.0
-            events.emit(
-                "restart", last_step, attempt=attempt + 1, returncode=returncode, reason=reason, delay_s=delay
-            )
+            if records:
+                events.emit(
+                    "restart",
+                    last_step,
+                    attempt=attempt + 1,
+                    returncode=returncode,
+                    reason=reason,
+                    delay_s=delay,
+                )
             print(
                 f"tenx supervise: attempt {attempt} {reason} {where}; restarting"
                 + (f" in {delay:.1f} s" if delay else ""),
@@ -351,6 +377,8 @@ def _supervise(
             signal.signal(sig, handler)
         spares.close()
     report.wall_s = time.monotonic() - t0
+    if not records:
+        return report
     events.emit(
         "supervisor-end",
         report.attempts[-1].last_step if report.attempts else None,
@@ -359,6 +387,20 @@ def _supervise(
         gave_up=report.gave_up,
     )
     return report
+
+
+def node_index(node_env: str) -> int | None:
+    """This node's index in a multi-node job, from the environment variable `node_env` (None when it is
+    empty: a single-node supervisor); a TenxError naming --node-env when it is unset or not an index."""
+    if not node_env:
+        return None
+    value = os.environ.get(node_env)
+    if value is None or not value.isdigit():
+        raise TenxError(
+            f"--node-env {node_env}: the variable is {'unset' if value is None else repr(value)}, not this "
+            "node's index; run the supervisor as a task of the job (srun sets SLURM_NODEID)"
+        )
+    return int(value)
 
 
 def _skip_crashing_data(run_dir: Path, events: EventLog, since: float) -> None:

@@ -1,4 +1,7 @@
-"""Launch scripts of a ladder for a cluster: one torchrun script, or one Slurm job per run and a submitter."""
+"""Launch scripts of a ladder for a cluster: one torchrun script, or one Slurm job per run and a submitter.
+
+Each run's Slurm job is the one `tenx train --emit slurm` writes (tenx/launch/slurm.py): supervised torchrun on
+every node, requeued with `--resume auto` after a SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ from typing import Literal
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
+from tenx.launch.slurm import SlurmJob, job_script, write_job_script
 from tenx.scaling.rungs import PlannedRun
 from tenx.utils.io import atomic_write_text
-from tenx.utils.scripts import sbatch_value
 
 
 def emit_launch(
@@ -46,10 +49,14 @@ def emit_launch(
         micro = min(run.config.train.micro_batch, run.global_batch // ranks)
         while (run.global_batch // ranks) % micro:
             micro -= 1
-        train_args = (
-            f"-m tenx train --config {shlex.quote(str(config))} "
-            f"--run-dir {shlex.quote(str(run_dir))} --resume auto --set train.micro_batch={micro}"
-        )
+        train_args = [
+            "--config",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"train.micro_batch={micro}",
+        ]
         runs.append((run, run_dir, train_args))
     out_dir = ladder_dir / "launch"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,32 +69,21 @@ def emit_launch(
             f"cd {cwd}",
             f'NPROC="${{NPROC_PER_NODE:-{int(nproc)}}}"',
         ]
-        lines += [f'torchrun --standalone --nproc_per_node "$NPROC" {args}' for _, _, args in runs]
+        lines += [
+            f'torchrun --standalone --nproc_per_node "$NPROC" -m tenx train {shlex.join(args)} --resume auto'
+            for _, _, args in runs
+        ]
         lines += ["# evaluate the finished runs and write results.jsonl", collect]
         path = out_dir / "torchrun.sh"
         atomic_write_text(path, "\n".join(lines) + "\n")
         path.chmod(0o755)
         return [path]
     scripts = []
-    for run, run_dir, args in runs:
-        text = "\n".join(
-            [
-                "#!/bin/bash",
-                f"#SBATCH --job-name=tenx-{sbatch_value(run.name, 'run name')}",
-                f"#SBATCH --nodes={sbatch_value(nodes, '--nodes')}",
-                "#SBATCH --ntasks-per-node=1",
-                f"#SBATCH --gpus-per-node={sbatch_value(nproc, '--nproc')}",
-                f"#SBATCH --output={sbatch_value(run_dir.absolute(), '--out')}/slurm-%j.out",
-                "set -euo pipefail",
-                f"cd {cwd}",
-                'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {int(nproc)} --rdzv_id "$SLURM_JOB_ID" '
-                f'--rdzv_backend c10d --rdzv_endpoint "$head:29500" {args}',
-            ]
+    for run, run_dir, train_args in runs:
+        job = SlurmJob(
+            run.name, run_dir, nodes, nproc, flags={"nproc_per_node": "--nproc", "log_dir": "--out"}
         )
-        path = out_dir / f"{run.name}.sbatch"
-        atomic_write_text(path, text + "\n")
-        scripts.append(path)
+        scripts.append(write_job_script(out_dir / f"{run.name}.sbatch", job_script(job, train_args)))
     submit = [
         "#!/usr/bin/env bash",
         "# submits every run, then a job that collects the results once all have finished",
