@@ -10,12 +10,13 @@ by decompressing with the model (as slow as compressing: the decoder runs the mo
 Speed is input KB (1000 bytes) per second of coding, model loading excluded. Printed: a line per file,
 the totals, and one JSON line last.
 
-With `--adapt`, each file is also coded by `tenx compress --adapt` (the output layer learning as it
+With `--float32-baseline`, each file is also coded in format 1 (float32 kernels, the speed the portable
+format is measured against). With `--adapt`, each file is also coded by `tenx compress --adapt` (the output layer learning as it
 codes; its round trip verified too), against plain tenx as the baseline. `--files` codes the named files
 (every file under a directory) instead of the held-out documents.
 
     python bench/compress.py [--run runs/quickstart] [--max-files N] [--threads 1] [--device cpu]
-                             [--adapt] [--files PATH ...]
+                             [--adapt] [--float32-baseline] [--files PATH ...]
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads while coding (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--adapt", action="store_true", help="also code each file with --adapt")
+    parser.add_argument(
+        "--float32-baseline",
+        action="store_true",
+        help="also time format 1 (float32 kernels, decodable only where they run) on each file: the speed "
+        "baseline of the portable codec",
+    )
     parser.add_argument("--files", nargs="+", help="code these files (directories: every file under them)")
     args = parser.parse_args()
     run = find_run(Path(args.run))
@@ -106,7 +113,7 @@ def main() -> None:
         f"{run}: checkpoint {codec.checkpoint.name}, tokenizer {codec.tokenizer.kind}, {len(docs)} documents"
     )
     sizes: dict[str, int] = {"tenx": 0, **({"adapt": 0} if args.adapt else {}), **dict.fromkeys(BASELINES, 0)}
-    seconds = {"compress": 0.0, "decompress": 0.0, "adapt": 0.0}
+    seconds = {"compress": 0.0, "decompress": 0.0, "adapt": 0.0, "float32": 0.0, "float32_decompress": 0.0}
     roundtrip_ok = True
     for name, doc in docs:
         started = time.perf_counter()
@@ -117,6 +124,13 @@ def main() -> None:
         seconds["decompress"] += time.perf_counter() - coded
         roundtrip_ok &= back == doc
         row = {"tenx": len(blob)}
+        if args.float32_baseline:
+            started = time.perf_counter()
+            old = compress_bytes(codec, doc, threads=args.threads, version=1)
+            coded = time.perf_counter()
+            roundtrip_ok &= decompress_bytes(codec, old) == doc
+            seconds["float32"] += coded - started
+            seconds["float32_decompress"] += time.perf_counter() - coded
         if args.adapt:
             started = time.perf_counter()
             adaptive = compress_bytes(codec, doc, threads=args.threads, adapt=CodecAdaptation())
@@ -139,6 +153,10 @@ def main() -> None:
         kb_per_s=total / 1000 / seconds["compress"] if seconds["compress"] else None,
         decompress_kb_per_s=total / 1000 / seconds["decompress"] if seconds["decompress"] else None,
         adapt_vs_plain=bpb["adapt"] / bpb["tenx"] if args.adapt and total else None,
+        float32_kb_per_s=total / 1000 / seconds["float32"] if seconds["float32"] else None,
+        float32_decompress_kb_per_s=total / 1000 / seconds["float32_decompress"]
+        if seconds["float32_decompress"]
+        else None,
         adapt_kb_per_s=total / 1000 / seconds["adapt"] if seconds["adapt"] else None,
         roundtrip_ok=roundtrip_ok,
         files=len(docs),
@@ -161,6 +179,13 @@ def main() -> None:
             f"{result['kb_per_s']:.1f} KB/s, decompress {result['decompress_kb_per_s']:.1f} KB/s; "
             f"round trips {'all exact' if roundtrip_ok else 'FAILED'}"
         )
+        if args.float32_baseline:
+            print(
+                f"speed against the float32 kernels of format 1 (same files, same process): compress "
+                f"{result['kb_per_s'] / result['float32_kb_per_s']:.2f}x ({result['float32_kb_per_s']:.1f} "
+                f"KB/s), decompress {result['decompress_kb_per_s'] / result['float32_decompress_kb_per_s']:.2f}x "
+                f"({result['float32_decompress_kb_per_s']:.1f} KB/s)"
+            )
         if args.adapt:
             print(
                 f"tenx --adapt / tenx = {result['adapt_vs_plain']:.3f} (the plain codec is the baseline); "
