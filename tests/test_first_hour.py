@@ -233,3 +233,24 @@ def test_every_option_has_help_and_shows_its_default():
     assert not lacking, "\n".join(lacking)
     eval_help = next(p for path, p in _parsers(build_parser()) if path == ("tenx", "eval")).format_help()
     assert "(default: 8)" in eval_help and "sequences per forward pass" in eval_help
+
+
+def test_a_repeated_sigterm_is_the_same_stop_request_and_a_second_ctrl_c_acts_at_once():
+    """On Slurm a preemption reaches a rank from the scheduler and again through torchrun: the second SIGTERM
+    must not kill the rank before the checkpoint the first asked for is written."""
+    import os
+    import signal
+
+    from tenx.train.trainer import _StopRequest
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    stop = _StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the old handler restored here: the process would have died
+        assert stop.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is before[0]  # Ctrl-C now acts at once
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is before[1]

@@ -55,8 +55,10 @@ THREADS_RECHECK_S = 30.0
 class _StopRequest:
     """SIGTERM/SIGINT during training: remember it, so the loop saves a checkpoint at the step's end.
 
-    Installed only in the main thread. The first signal restores the previous handlers, so a second one
-    acts at once (Ctrl-C twice stops without waiting for the save).
+    Installed only in the main thread. The first signal gives SIGINT back its previous handler, so a second
+    Ctrl-C acts at once (stops without waiting for the save); a repeated SIGTERM is the same request again
+    and is ignored, since a preemption on Slurm reaches a rank both from the scheduler and through torchrun,
+    and acting on the second would lose the checkpoint the first asked for.
     """
 
     def __init__(self) -> None:
@@ -66,8 +68,10 @@ class _StopRequest:
             self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        self.restore()
+        if not self.signum:
+            self.signum = signum
+        if signal.SIGINT in self._previous:  # a later Ctrl-C acts at once; later SIGTERMs land here again
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
