@@ -24,6 +24,8 @@ RUN_DIR/
   stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
   writer.lock          held by the one process writing the run (tenx.utils.lock): who, since when
   tensorboard/         TensorBoard scalars
+  wandb/               the W&B run (log.wandb; log.wandb_dir puts it elsewhere)
+  wandb.json           the W&B run id and the events sent to it (a resume continues that run)
   checkpoints/         step_XXXXXXXX/ checkpoints (tenx.checkpoint)
 ```
 
@@ -56,6 +58,8 @@ PREDICTION = "prediction.json"
 PREDICTION_PNG = "prediction.png"
 EXTRAPOLATION = "extrapolation"
 TENSORBOARD = "tensorboard"
+WANDB = "wandb"
+WANDB_STATE = "wandb.json"
 CHECKPOINTS = "checkpoints"
 STACKS = "stacks-pid"
 WRITER_LOCK = "writer.lock"
@@ -71,8 +75,8 @@ def written_by_tenx(name: str) -> bool:
     (`.NAME.*`, and the write probe `.tenx-write-check.*`)."""
     ours = {
         CONFIG, PROVENANCE, RUN_ID, METRICS, EVENTS, STEPS, PREQUENTIAL, INCIDENTS_DB, INCIDENTS, LEDGER,
-        DATA_SKIPS, EVAL, LOSS_CURVE, PREDICTION, PREDICTION_PNG, EXTRAPOLATION, TENSORBOARD, CHECKPOINTS,
-        WRITER_LOCK,
+        DATA_SKIPS, EVAL, LOSS_CURVE, PREDICTION, PREDICTION_PNG, EXTRAPOLATION, TENSORBOARD, WANDB,
+        WANDB_STATE, CHECKPOINTS, WRITER_LOCK,
     }  # fmt: skip
     if name in ours or name.startswith((STACKS, f"{INCIDENTS_DB}-", ".tenx-write-check.")):
         return True
@@ -171,6 +175,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.root / TENSORBOARD
+
+    @property
+    def wandb_state(self) -> Path:
+        return self.root / WANDB_STATE
 
     @property
     def checkpoints(self) -> Path:

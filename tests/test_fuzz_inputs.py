@@ -15,8 +15,9 @@ Each case draws from its own `random.Random(f"{SEED}:{kind}:{index}")`, so a fai
 
 Not fuzzed here, on purpose: values the config accepts that make a run legitimately expensive or stop the
 process by design (a 10^9-parameter model, a million steps, torch.compile, fault injection such as
-`sigkill`, a watchdog timeout of a millisecond, replica groups that wait for a lighthouse). `_affordable`
-recognises them with the product's own config loader and draws another mutation instead.
+`sigkill`, a watchdog timeout of a millisecond, replica groups that wait for a lighthouse, an online W&B
+sink that would reach the network). `_affordable` recognises them with the product's own config loader and
+draws another mutation instead.
 """
 
 from __future__ import annotations
@@ -1152,6 +1153,7 @@ def _affordable(config: Path, overrides: list[str]) -> bool:
             cfg.checkpoint.every == "auto" or cfg.checkpoint.every == 0 or steps // cfg.checkpoint.every <= 3
         )
         and (cfg.checkpoint.memory_every == 0 or steps // cfg.checkpoint.memory_every <= 3)
+        and not (cfg.log.wandb and cfg.log.wandb_mode == "online")  # would reach W&B over the network
     )
 
 

@@ -152,6 +152,39 @@ class LogConfig:
         help="xz -9e on the first this many MB of the training stream, beside the model's prequential code "
         "length for the same bytes, at the end of a run (RUN_DIR/prequential.json; 0: no xz)",
     )
+    wandb: bool = field(
+        False,
+        help="also mirror metrics.jsonl, events.jsonl and the prediction band to Weights & Biases "
+        "(pip install wandb; docs/interop.md); off, wandb is never imported",
+    )
+    wandb_project: str = field("tenx", help="log.wandb: the W&B project")
+    wandb_entity: str = field("", help="log.wandb: the W&B team or user (default: the login's)")
+    wandb_name: str = field("", help="log.wandb: the W&B run's name (default: the run directory's name)")
+    wandb_mode: Literal["online", "offline"] = field(
+        "online",
+        help="log.wandb: 'online' sends as the run goes; 'offline' writes the W&B run locally, for "
+        "`wandb sync` later (compute nodes without internet)",
+    )
+    wandb_dir: str = field(
+        "", help="log.wandb: where W&B writes its wandb/ folder (default: the run directory)"
+    )
+
+    def validate(self) -> None:
+        if not self.wandb:
+            return
+        if not self.wandb_project.strip():
+            raise ConfigError("log.wandb_project: empty; name the W&B project the run logs to")
+        for key in ("wandb_project", "wandb_entity"):
+            value = getattr(self, key)
+            if len(value) > 128 or any(c in value for c in "/\\#?%:") or not value.isprintable():
+                raise ConfigError(
+                    f"log.{key}: {value[:80]!r} is not a W&B name (at most 128 printable characters, none of "
+                    "/ \\ # ? % :)"
+                )
+        if len(self.wandb_name) > 128 or not self.wandb_name.isprintable():
+            raise ConfigError(
+                f"log.wandb_name: {self.wandb_name[:80]!r}: use at most 128 printable characters"
+            )
 
 
 @dataclass

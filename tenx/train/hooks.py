@@ -7,7 +7,7 @@ The loop calls these in this order (`trainer` is a `TrainerView`, below):
 | `on_train_start(trainer)` | once, after any resume and before the first step | metrics, progress, watch, checkpointing, faults, step record, prequential |
 | `on_step_start(trainer)` | before each step's math (`trainer.step` is still the previous step) | faults, statistics |
 | `pre_optim_step(trainer)` | gradients are reduced across ranks and groups; before clipping and the optimizer step | consistency digests, per-module statistics |
-| `on_step_end(trainer, metrics)` | after the optimizer step, with the step's metrics (earlier callbacks may add to them) | validation, step record, prequential, watch, metrics, progress, checkpointing |
+| `on_step_end(trainer, metrics)` | after the optimizer step, with the step's metrics (earlier callbacks may add to them) | validation, step record, prequential, watch, metrics, W&B sink, progress, checkpointing |
 | `post_checkpoint_saved(trainer, tmp_dir, step)` | a checkpoint's files and manifest are written and fsynced, just before the rename that publishes it; on the writer thread when saves are asynchronous | fault injection |
 | `post_state_loaded(trainer, source)` | the training state was replaced: `source` is `"resume"`, `"rollback"` or `"heal"` | consistency (forgets digests of the old state), statistics |
 | `on_error(trainer, error)` | an exception is leaving the loop (before `close`) | crash record, faults |

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tenx import checkpoint as ckpt
+from tenx import config as cfglib
 from tenx import rundir
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
@@ -20,6 +21,7 @@ from tenx.train.callbacks.metrics import MetricsLogger, Progress
 from tenx.train.callbacks.prequential import Prequential
 from tenx.train.callbacks.record import StepRecord
 from tenx.train.callbacks.stats import ModelStats
+from tenx.train.callbacks.wandb_sink import WandbSink
 from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
@@ -33,7 +35,8 @@ def default_callbacks(
     """The fault injector (when faults are configured), the replica consistency check (when
     parallel.consistency.every > 0), validation, `extra` callbacks, the step record, the prequential code
     length (rank 0), the statistics inside the model (when
-    monitor.stats_every > 0), the watch (prediction and trends, on rank 0), metrics, checkpointing.
+    monitor.stats_every > 0), the watch (prediction and trends, on rank 0), metrics, the W&B sink (when
+    log.wandb), checkpointing.
 
     Anything a callback adds to the step's metrics is logged, and a checkpoint holds every callback's state
     after its hook for that step has run. Metrics and progress are written by rank 0 only; every rank
@@ -56,11 +59,28 @@ def default_callbacks(
         callbacks.append(Watch(cfg.monitor))  # after every callback that adds figures, before they are logged
     if rank == 0:
         callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
+    if rank == 0 and cfg.log.wandb:  # after metrics.jsonl is written: W&B mirrors it
+        callbacks.append(build_wandb_sink(cfg, run_dir))
     if cfg.log.progress and rank == 0:
         callbacks.append(Progress(cfg.log.print_every))
     c = cfg.checkpoint
     callbacks.append(Checkpointing(c.every, c.at_end, c.mtbf_s, c.auto_first_step, c.memory_every))
     return callbacks
+
+
+def build_wandb_sink(cfg: RunConfig, run_dir: Path) -> WandbSink:
+    """The W&B sink of `cfg.log` (imports wandb: a ConfigError that says `pip install wandb` without it)."""
+    log = cfg.log
+    return WandbSink(
+        run_dir,
+        project=log.wandb_project,
+        entity=log.wandb_entity,
+        name=log.wandb_name,
+        mode=log.wandb_mode,
+        directory=log.wandb_dir,
+        prediction=cfg.monitor.prediction,
+        config=cfglib.to_dict(cfg),
+    )
 
 
 def train(
