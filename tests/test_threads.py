@@ -261,9 +261,9 @@ def test_compress_threads(monkeypatch):
 
     seen: list[int] = []
 
-    def compress_file(run, src, dst, force, *, threads, device):
+    def compress_file(run, src, dst, force, *, threads, device, adapt=None):
         seen.append(threads)
-        return {"bits_per_byte": None, "kb_per_s": None, "src": src, "dst": dst, "bytes": 0}
+        return {"bits_per_byte": None, "kb_per_s": None, "src": src, "dst": dst, "bytes": 0, "adapt": adapt}
 
     monkeypatch.setattr(codec, "compress_file", compress_file)
     _contention(monkeypatch, 4, 1.0)
@@ -280,8 +280,9 @@ def test_ladder_and_derisk_threads_reach_the_probe_and_every_run(monkeypatch):
     def run_ladder(base, lc, out, **kwargs):
         seen["ladder"] = (torch.get_num_threads(), base.train.threads)
 
-    def derisk_from_args(*args):
+    def derisk_from_args(*args, **data_mode):
         seen["derisk_sets"] = args[-1]
+        return derisk.DeriskConfig()  # the compute mode: run_derisk below
 
     def run_derisk(dc, out, dry_run=False):
         seen["derisk_threads"] = torch.get_num_threads()

@@ -217,7 +217,8 @@ class TrainerState(TrainerParts):
         ours = cfglib.to_dict(self.model_cfg)
         if isinstance(saved_model, dict):  # a field added since the checkpoint was written: its default then
             defaults = cfglib.to_dict(type(self.model_cfg)())
-            saved_model = {**{k: defaults[k] for k in ours.keys() - saved_model.keys()}, **saved_model}
+            added = (ours.keys() - saved_model.keys()) & defaults.keys()  # (None defaults are not listed)
+            saved_model = {**{k: defaults[k] for k in added}, **saved_model}
         if saved_model != ours:
             diff = ", ".join(
                 f"{k}: {saved_model.get(k)!r} in the checkpoint, {ours.get(k)!r} here"
