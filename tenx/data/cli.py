@@ -17,6 +17,7 @@ PREPARE_FLAGS: tuple[str, ...] = (
     "source",
     "out",
     "tokenizer",
+    "tokenizer_from",
     "vocab_size",
     "val_ratio",
     "heldout_ratio",
@@ -47,6 +48,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
     from tenx.data.prepare.pipeline import PrepareConfig, format_prepare_summary, prepare
 
     cfg = config_from_args(PrepareConfig, args, PREPARE_FLAGS)
+    if cfg.tokenizer_from:  # refused before the corpus is read, not after
+        from tenx.data.tokenizer import load_hf_tokenizer
+
+        load_hf_tokenizer(cfg.tokenizer_from)
     if args.emit:
         from tenx.data.prepare.engine import emit_slurm
 

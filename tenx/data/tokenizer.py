@@ -241,6 +241,29 @@ def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) ->
     return tokenizer
 
 
+def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
+    """The tokenizer of a Hugging Face model directory (its tokenizer.json, read by `tokenizers`: no code
+    runs), for `tenx data prepare --tokenizer-from` and `tenx train --init-from`."""
+    path = Path(hf_dir) / BPE_FILE
+    if regular_file_size(path) is None:
+        raise DataError(
+            f"{path} is missing (or not a regular file): a model directory's tokenizer is its {BPE_FILE}"
+        )
+    try:
+        hf = HFTokenizer.from_str(path.read_bytes().decode("utf-8"))
+    except Exception as e:  # OSError, UnicodeDecodeError, or the plain Exception `tokenizers` raises
+        raise DataError(f"{path} is not a Hugging Face tokenizer ({_first_line(e)})") from None
+    if hf.token_to_id(EOT_TEXT) is None:
+        raise DataError(
+            f"{path} has no {EOT_TEXT!r} token, which tenx puts between documents; tenx imports tokenizers "
+            "that have it (GPT-2's, Qwen's, a tenx export's)"
+        )
+    if EOT_TEXT not in {t.content for t in hf.get_added_tokens_decoder().values()}:
+        # special, as in tenx's own BPE (it stands for no bytes); its id stays the vocabulary's
+        hf.add_special_tokens([EOT_TEXT])
+    return BPETokenizer(hf)
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:200]

@@ -45,6 +45,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.fault_seed is not None:
         overrides.append(f"faults.seed={args.fault_seed}")
     cfg = load_run_config(config_path, overrides)  # checked here, before any child starts
+    init = None
+    if args.init_from:  # the model is the directory's: its config here, its weights before step 1
+        from tenx.export.hf_import import init_from_hf
+
+        if args.emit:
+            raise TenxError("--init-from: not with --emit slurm yet; train with --init-from on the cluster")
+        init, model_sets = init_from_hf(args.init_from, cfg)
+        cfg = load_run_config(config_path, [*overrides, *model_sets])
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config_path.stem
     emit_only = [f for f, given in _emit_flags_given(args).items() if given]
     if emit_only and not args.emit:
@@ -63,6 +71,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         child_args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)]
         for item in overrides:
             child_args += ["--set", item]
+        child_args += ["--init-from", args.init_from] if args.init_from else []
         options = config_from_args(SupervisorConfig, args, SUPERVISOR_FLAGS)
         report = supervise(child_args, run_dir, options, resume=args.resume, env=child_environment())
         print(format_supervision(report))
@@ -74,7 +83,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from tenx.scaling.self_extrapolation import summary_fields, watch_callbacks
     from tenx.train.run import train
 
-    trainer, metrics = train(cfg, run_dir, resume=args.resume, extra_callbacks=watch_callbacks(cfg))
+    extra = [*watch_callbacks(cfg), *([init] if init else [])]
+    trainer, metrics = train(cfg, run_dir, resume=args.resume, extra_callbacks=extra)
     if trainer.rank != 0:  # under torchrun the summary is the run's, printed once
         return
     if metrics:
@@ -164,6 +174,12 @@ def _train_arguments(tp: argparse.ArgumentParser) -> None:
     add_set(tp, "override (repeatable)")
     tp.add_argument("--run-dir", help="run directory (default runs/CONFIG_NAME)")
     tp.add_argument("--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint directory")
+    tp.add_argument(
+        "--init-from",
+        metavar="HF_DIR",
+        help="start from a local transformers model directory (GPT-2, Llama, Qwen3): its config sets the "
+        "model section, its weights the model at step 0 (docs/interop.md#import)",
+    )
     tp.add_argument(
         "--supervise",
         action="store_true",

@@ -128,6 +128,10 @@ class TrainerView(Protocol):
         """Rank 0's `value` on every rank."""
         ...
 
+    def state_replaced(self, source: str) -> None:
+        """Send every callback `post_state_loaded(source)`: a callback replaced the weights (e.g. --init-from)."""
+        ...
+
 
 class Callback:
     """A side concern of training. Override any event; keep state in state_dict for exact resume."""

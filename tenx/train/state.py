@@ -89,6 +89,10 @@ class TrainerState(TrainerParts):
     def _emit(self, event: str, *args: Any) -> None:
         raise NotImplementedError  # the Trainer dispatches hook events to its callbacks
 
+    def state_replaced(self, source: str) -> None:
+        """Send every callback `post_state_loaded(source)` (TrainerView)."""
+        self._emit("post_state_loaded", source)
+
     def rollback(self) -> Path:
         """Reload the newest verified checkpoint before the current streak of bad steps; skip their data."""
         streak = list(self.guard.streak)

@@ -69,9 +69,8 @@ class PrepareConfig:
         "bpe",
         help="'bpe': byte-level BPE trained on the train split; 'bytes': raw UTF-8 bytes, vocabulary 257",
     )
-    vocab_size: int = field(
-        8192, help="BPE vocabulary size including the end-of-document token (ignored for bytes)"
-    )
+    tokenizer_from: str = field("", help="a Hugging Face model directory whose tokenizer.json to use instead")
+    vocab_size: int = field(8192, help="BPE vocabulary size, end-of-document token included (bytes: unused)")
     val_ratio: float = field(0.02, help="expected fraction of documents in the validation split")
     heldout_ratio: float = field(
         0.05,
@@ -435,11 +434,13 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
 def _build_tokenizer(
     cfg: PrepareConfig, work: Work, rows: np.ndarray, ids: list[str], train: list[int], progress: bool
 ) -> tuple[Tokenizer, dict[str, Any]]:
-    """Bytes, or a BPE trained on the train split (a seeded sample of about tokenizer_sample_mb of it when
-    larger: a document is in when a hash of seed and id is below budget / train bytes), saved in OUT, and its
-    manifest entry; a trained one is kept across a resume."""
-    if cfg.tokenizer == "bytes":
-        return ByteTokenizer(), ByteTokenizer().save(Path(cfg.out))
+    """Bytes, a model directory's (tokenizer_from), or a BPE trained on the train split (on a seeded sample of
+    about tokenizer_sample_mb of it when larger), saved in OUT, and its manifest entry (a trained one is kept)."""
+    if cfg.tokenizer == "bytes" or cfg.tokenizer_from:  # an imported one is taken as it is, like bytes
+        from tenx.data.tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(cfg.tokenizer_from) if cfg.tokenizer_from else ByteTokenizer()
+        return tokenizer, tokenizer.save(Path(cfg.out))
     entry = work.state.get("tokenizer")
     if entry is not None:
         try:
