@@ -92,6 +92,7 @@ SLOW = {
     "docs/export.md": "30 s: a run exported to transformers, loaded back and compared",
     "docs/distributed.md": "21 s: torchrun DDP and FSDP2 runs",
     "docs/consistency.md": "15 s: the bitflip drill under torchrun",
+    "docs/interop.md": "47 s: a run exported, its tokenizer prepared, an --init-from run, a W&B offline run",
 }
 
 # Appended to every matching command on every page: (program prefix, required word, args, why).
