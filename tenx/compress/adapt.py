@@ -50,7 +50,6 @@ class AdaptiveHead:
         self.bias_O = torch.zeros_like(self.master_IO[0])
         self.moments = [torch.zeros_like(self.master_IO), torch.zeros_like(self.master_IO)]
         self.bias_moments = [torch.zeros_like(self.bias_O), torch.zeros_like(self.bias_O)]
-        self.steps = 0
         self.decay = [1.0, 1.0]  # beta1**t and beta2**t by repeated multiplication (no libm pow)
         self._hidden: list[torch.Tensor] = []
         self._errors: list[np.ndarray] = []
@@ -90,7 +89,6 @@ class AdaptiveHead:
         grad_IO = grad_IO / float(n)
         grad_O = errors.sum(dim=0) * unit  # exact integer sums
         grad_O = grad_O / float(n)
-        self.steps += 1
         self.decay = [self.decay[0] * BETAS[0], self.decay[1] * BETAS[1]]
         step_size = self.settings.lr * math.sqrt(1.0 - self.decay[1]) / (1.0 - self.decay[0])
         self.master_IO = self.master_IO - _adam_step(self.moments, grad_IO, step_size)

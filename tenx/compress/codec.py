@@ -255,12 +255,15 @@ def _code(
         first_R = starts[g : g + group]
         length_R = np.minimum(chunk, len(tokens_N) - first_R)  # only the last chunk may be shorter
         rows = len(first_R)
-        step = FloatStepper(codec.model, rows) if version == 1 else FixedStepper(codec.fixed_weights(), rows)
         frequencies = float_frequencies if version == 1 else fixed_frequencies
         inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
         known = None  # the encoder knows every token: all positions in one pass, the same bits (fixed.py)
         if not decoding and version != 1:
             known = _hidden_all(codec.fixed_weights(), tokens_N, first_R, int(length_R[0]), eot)
+        elif version == 1:
+            step: Any = FloatStepper(codec.model, rows)
+        else:
+            step = FixedStepper(codec.fixed_weights(), rows)
         for s in range(int(length_R[0])):
             active = int(np.count_nonzero(length_R > s))
             if known is not None:
@@ -270,7 +273,7 @@ def _code(
             elif head is None:
                 freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
             else:
-                hidden = cast(FixedStepper, step).hidden(inputs_R.to(device), s)[:active]
+                hidden = step.hidden(inputs_R.to(device), s)[:active]
                 freqs = frequencies(head.logits(hidden), vocab, eot)
             where = first_R[:active] + s
             if decoding:
