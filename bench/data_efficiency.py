@@ -1,15 +1,15 @@
 """Data efficiency: which changes make repeated data worth more, by how much, and does the gain persist?
 
 Runs the study of configs/derisk/data_efficiency.toml (`tenx derisk` in data mode: tenx/scaling/
-data_multiplier.py): the baseline at 3 model sizes on fresh data, capped at each unique-token budget U and on
-U tokens read once; Muennighoff et al. (2023)'s data-constrained law fitted to those runs; each change
-trained at U = compare_unique_tokens and read off the law as an effective data multiplier per scale, with a
-95% interval and a verdict. Runs already in OUT are reused, so a second call only re-analyses.
+data_multiplier.py): the baseline at 3 model sizes on fresh data and capped at each unique-token budget U,
+each on several fractions of its tokens; Muennighoff et al. (2023)'s data-constrained law fitted to those
+runs; each change trained at U = compare_unique_tokens and read off the law, anchored at the baseline's own
+run there, as an effective data multiplier per scale, with a 95% interval and a verdict. Runs already in OUT are reused, so a second call only re-analyses.
 
 The law is then checked on points it was not fitted on, two ways, each against the baseline's own law as
 the named baseline of this benchmark:
-- leave one out: each repeated-data baseline run (a size and a number of epochs) predicted by the law fitted
-  to every other baseline run;
+- leave one out: each repeated-data baseline point (a size, its tokens and unique tokens: the mean of its
+  seeds) predicted by the law fitted to every other baseline run;
 - the largest size: its repeated-data runs predicted by the law fitted to everything else (extrapolation in
   model size, the harder case).
 
@@ -38,12 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def heldout_errors(baseline: list[dict[str, Any]]) -> dict[str, Any]:
-    """Relative errors of the law on baseline runs it was not fitted on (see the module docstring)."""
+    """Relative errors of the law on baseline points it was not fitted on (see the module docstring). A
+    point is a (size, tokens, unique tokens) triple: its seeds are left out together and their mean loss
+    is what the law predicts."""
     cols = {k: np.array([r[k] for r in baseline], dtype=float) for k in ("params", "tokens", "unique_tokens")}
     loss = np.array([r["heldout_loss"] for r in baseline], dtype=float)
-    repeated = np.flatnonzero(cols["tokens"] > cols["unique_tokens"] * (1 + 1e-9))
+    triples = [tuple(x) for x in np.column_stack([cols["params"], cols["tokens"], cols["unique_tokens"]])]
+    points = sorted(set(triples))
+    members = {p: np.array([i for i, t in enumerate(triples) if t == p]) for p in points}
+    repeated = [p for p in points if p[1] > p[2] * (1 + 1e-9)]
 
-    def predict(train: np.ndarray, test: np.ndarray) -> np.ndarray:
+    def predict(train: np.ndarray, test: list[tuple[float, float, float]]) -> np.ndarray:
         fit = fit_data_constrained(
             cols["params"][train],
             cols["tokens"][train],
@@ -51,34 +56,36 @@ def heldout_errors(baseline: list[dict[str, Any]]) -> dict[str, Any]:
             loss[train],
             bootstrap=0,
         )
-        return fit.predict(N=cols["params"][test], D=cols["tokens"][test], U=cols["unique_tokens"][test])
+        N, D, U = (np.array([t[k] for t in test]) for k in range(3))
+        return fit.predict(N=N, D=D, U=U)
 
-    everything = np.arange(len(baseline))
-    loo = []
-    for i in repeated:
-        rest = everything[everything != i]
-        if (cols["tokens"][rest] > cols["unique_tokens"][rest] * (1 + 1e-9)).any():
-            loo.append(float(predict(rest, np.array([i]))[0] / loss[i] - 1))
-    largest = cols["params"].max()
-    top = repeated[cols["params"][repeated] == largest]
-    rest = everything[~np.isin(everything, top)]
-    extrapolated = [float(x) for x in predict(rest, top) / loss[top] - 1] if len(top) else []
-    points = [
-        {"params": cols["params"][i], "epochs": cols["tokens"][i] / cols["unique_tokens"][i], "rel_error": e}
-        for i, e in zip(repeated, loo)
-    ]
-    return {
-        "leave_one_out": points,
-        "leave_one_out_max_abs": max((abs(e) for e in loo), default=math.nan),
-        "largest_size": [
+    def errors(test: list[tuple[float, float, float]]) -> list[dict[str, float]]:
+        if not test:
+            return []
+        left = np.concatenate([members[p] for p in test])
+        rest = np.setdiff1d(np.arange(len(baseline)), left)
+        if not (cols["tokens"][rest] > cols["unique_tokens"][rest] * (1 + 1e-9)).any():
+            return []
+        predicted = predict(rest, test)
+        return [
             {
-                "params": cols["params"][i],
-                "epochs": cols["tokens"][i] / cols["unique_tokens"][i],
-                "rel_error": e,
+                "params": p[0],
+                "unique_tokens": p[2],
+                "epochs": p[1] / p[2],
+                "seeds": len(members[p]),
+                "rel_error": float(q / np.mean(loss[members[p]]) - 1),
             }
-            for i, e in zip(top, extrapolated)
-        ],
-        "largest_size_max_abs": max((abs(e) for e in extrapolated), default=math.nan),
+            for p, q in zip(test, predicted)
+        ]
+
+    loo = [e for p in repeated for e in errors([p])]
+    largest = max((p[0] for p in repeated), default=math.nan)
+    top = errors([p for p in repeated if p[0] == largest])
+    return {
+        "leave_one_out": loo,
+        "leave_one_out_max_abs": max((abs(e["rel_error"]) for e in loo), default=math.nan),
+        "largest_size": top,
+        "largest_size_max_abs": max((abs(e["rel_error"]) for e in top), default=math.nan),
     }
 
 
@@ -98,11 +105,13 @@ def main() -> None:
     print("\nthe law on points it was not fitted on (relative error of the predicted held-out loss):")
     for p in held["leave_one_out"]:
         print(
-            f"  leave one out: N {p['params']:9,.0f}, {p['epochs']:5.2f} epochs: {100 * p['rel_error']:+.2f}%"
+            f"  leave one out: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
+            f"{100 * p['rel_error']:+.2f}%"
         )
     for p in held["largest_size"]:
         print(
-            f"  largest size:  N {p['params']:9,.0f}, {p['epochs']:5.2f} epochs: {100 * p['rel_error']:+.2f}%"
+            f"  largest size:  N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
+            f"{100 * p['rel_error']:+.2f}%"
         )
     print(
         f"max |error|: leave one out {100 * held['leave_one_out_max_abs']:.2f}%, largest size from the "

@@ -15,6 +15,7 @@ from tenx.errors import ConfigError
 from tenx.scaling.data_multiplier import (
     LAW_PARAMS,
     analyse_data,
+    data_needed,
     effective_data_multiplier,
     format_data_derisk,
     plan_data_derisk,
@@ -44,13 +45,25 @@ def known_fit(samples=None):
 def test_the_multiplier_is_the_unique_tokens_the_law_needs_at_the_same_epochs():
     values = np.array([[TRUE[k] for k in LAW_PARAMS]])
     N, D, U = 2e6, 1e8, 1e7  # 10 epochs
+    base = law(N, D, U)
     for m in (0.5, 1.0, 3.0):  # the loss of m x the unique tokens, repeated as often
         loss = law(N, m * D, m * U)
-        assert effective_data_multiplier(values, N, D, U, loss)[0, 0] == pytest.approx(m, rel=1e-9)
+        assert effective_data_multiplier(values, N, loss, base)[0, 0] == pytest.approx(m, rel=1e-9)
+    # the measured baseline anchors it: a law that misses the baseline's point (here by 2% of the loss,
+    # both losses equally) still gives the factor between the two losses, not the law's offset
+    for m in (0.5, 3.0):
+        shift = 0.02 * base
+        got = effective_data_multiplier(values, N, law(N, m * D, m * U) + shift, base + shift)[0, 0]
+        assert got == pytest.approx(m, rel=0.1) and abs(got / m - 1) > 1e-6  # its slope only: near m
+        crude = data_needed(values, N, law(N, m * D, m * U) + shift)[0, 0] / effective_data(
+            D, U, TRUE["R_D_star"]
+        )
+        assert abs(crude / m - 1) > 3 * abs(got / m - 1)  # reading the law alone is further off
     # a run of D tokens over more unique ones reads D of them once: its effective data is D, not U
     assert effective_data(1e6, 1e9, 5.0) == pytest.approx(1e6)
     floor = TRUE["E"] + TRUE["A"] / N ** TRUE["alpha"]  # no data reaches the law's floor for this size
-    assert effective_data_multiplier(values, N, D, U, floor)[0, 0] == math.inf
+    assert effective_data_multiplier(values, N, floor, base)[0, 0] == math.inf
+    assert math.isnan(effective_data_multiplier(values, N, base, floor)[0, 0])  # the baseline past it
 
 
 SCALES = [(1e6, 4e7), (2.5e6, 1e8), (6e6, 2.4e8)]  # (N, D) of each scale: one model size per budget
@@ -88,7 +101,7 @@ def synthetic_study(noise=1e-4, seeds=2):
             baseline.append(row(budget, n, u, 1e12, law(n, u, u)))
             for _ in range(k if u == dc.compare_u else 1):
                 noisy = law(n, d, u) + (rng.normal(0, noise) if k > 1 else 0.0)
-                baseline.append({**row(budget, n, d, u, noisy), "compare": u == dc.compare_u})
+                baseline.append(row(budget, n, d, u, noisy))
         for name, (a, b) in GAINS.items():
             m = a * (budget / budgets[0]) ** b
             u = dc.compare_u
@@ -169,34 +182,44 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
     dc = DeriskConfig(
         base=str(CONFIG_DIR / "tiny.toml"),
         set=[f'data.dir="{tiny_data}"', "log.progress=false", "train.threads=1"],
-        budgets=[2e10, 4e10],
+        budgets=[2e10, 6e10],
         change=[ChangeConfig(name="rope", set=['model.pos="rope"'])],
         seeds=2,
         mode="data",
         unique_tokens=[20_000, 40_000],
+        token_fractions=[0.5, 1.0],
         ladder=LadderConfig(grid="ratio", min_steps=20, max_depth=1),
     )
     planned = plan_data_derisk(dc)
     by = {(p.stage, p.scale, p.unique, p.run.tokens, p.run.seed) for p in planned}
     assert len(by) == len(planned)
     for scale in dc.budgets:
-        fresh = [p for p in planned if p.stage == "baseline" and p.scale == scale and p.run.budget == scale]
-        tokens = {p.run.tokens for p in fresh}
-        assert len(tokens) == 1 and min(tokens) > 40_000  # each U below D: repeated
-        caps = sorted(p.run.config.data.max_unique_tokens or 0 for p in fresh)
-        seeds = 2 if scale == min(dc.budgets) else 1
-        assert caps == [0] + [20_000] * seeds + [40_000]
-        # each U read once at this size (a smaller scale of the same depth may have planned it already)
-        depth = fresh[0].run.depth
-        once = [p.run for p in planned if p.run.depth == depth and p.run.budget not in dc.budgets]
-        assert sorted(r.tokens for r in once) == pytest.approx([20_000, 40_000], rel=0.05)
-        assert all(r.config.data.max_unique_tokens is None and r.config.model.pos != "rope" for r in once)
+        base = [p for p in planned if p.stage == "baseline" and p.scale == scale]
+        assert {p.fraction for p in base} == {0.5, 1.0} and {p.run.depth for p in base} == {1}
+        assert {p.run.global_batch for p in base} == {base[0].run.global_batch}  # only the length differs
+        for fraction in (0.5, 1.0):
+            runs = [p.run for p in base if p.fraction == fraction]
+            tokens = {r.tokens for r in runs}
+            assert len(tokens) == 1 and tokens.pop() == pytest.approx(
+                scale * fraction / runs[0].flops_per_token, rel=0.05
+            )
+            caps = sorted(r.config.data.max_unique_tokens or 0 for r in runs)
+            seeds = 2 if scale == min(dc.budgets) else 1  # every baseline run of the smallest scale
+            # fresh, and each U below the run's tokens (a U it would read at most once is the fresh run)
+            assert caps == sorted([0, *(u for u in (20_000, 40_000) if u < runs[0].tokens)] * seeds)
+        assert all(r.config.model.pos != "rope" for r in (p.run for p in base))
         rope = [p for p in planned if p.stage == "rope" and p.scale == scale]
+        seeds = 2 if scale == min(dc.budgets) else 1
         assert len(rope) == seeds and {p.run.config.data.max_unique_tokens for p in rope} == {20_000}
-        assert {p.run.config.model.pos for p in rope} == {"rope"}
-        assert {p.run.depth for p in rope} == {fresh[0].run.depth}
-    with pytest.raises(ConfigError, match="unique_tokens: one epoch of 20 tokens"):
-        plan_data_derisk(dataclasses.replace(dc, unique_tokens=[20, 40_000], compare_unique_tokens=40_000))
+        assert {p.run.config.model.pos for p in rope} == {"rope"} and {p.fraction for p in rope} == {1.0}
+        full = [p.run for p in base if p.fraction == 1.0]
+        assert {p.run.depth for p in rope} == {full[0].depth} and {p.run.tokens for p in rope} == {
+            full[0].tokens
+        }
+    with pytest.raises(ConfigError, match="token_fractions: 0.001 of budget 2e"):
+        plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.001, 1.0]))
+    with pytest.raises(ConfigError, match=r"token_fractions: give fractions in \(0, 1\]"):
+        plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.5, 2.0]))
 
 
 # ----- tenx plan choose --unique-tokens -----------------------------------------------------------------
@@ -270,8 +293,10 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
     study = tmp_path / "study.toml"
     study.write_text(
         'base = "tiny"\n'
-        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false', 'train.threads=1']\n"
+        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false', 'train.threads=1', "
+        "'data.unique_sample=spread']\n"
         'budgets = [2e10, 1.2e11]\nseeds = 1\nbootstrap = 20\nmode = "data"\nunique_tokens = [20000, 40000]\n'
+        "token_fractions = [0.25, 0.5, 1.0]\n"
         '[[change]]\nname = "rope"\nset = [\'model.pos="rope"\']\n'
         '[ladder]\ngrid = "ratio"\nmin_steps = 20\nmax_depth = 2\ntokens_per_param = 0.5\n'
         "min_tokens_per_param = 0.1\neval_bytes = 20000\nevals_per_run = 0\n"
@@ -279,10 +304,11 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
     out = tmp_path / "out"
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "[1/12] baseline-fresh-C2.00e10-d1" in printed  # 2 sizes x (fresh, 2 U, 2 U once, rope)
+    # 2 sizes x (3 fractions x (fresh + each U below their tokens) + rope): 14 runs, the first the shortest
+    assert "[1/14] baseline-fresh-C5.00e09-d1" in printed and "[14/14] rope-U2.00e04-C1.20e11" in printed
     result = json.loads((out / "derisk.json").read_text())
     assert result["mode"] == "data" and result["law"]["law"] == "data-constrained"
-    assert len(result["baseline"]) == 10 and result["law"]["n_points"] == 10
+    assert len(result["baseline"]) == 12 and result["law"]["n_points"] == 12
     (rope,) = result["changes"]
     assert [s["epochs"] for s in rope["scales"]] == pytest.approx(
         [2.15, 2.15], rel=0.01
@@ -291,7 +317,7 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
     assert rope["verdict"] in ("grows", "persists", "fades", "reverses", "hurts")
     assert "| rope |" in (out / "report.md").read_text() and (out / "report.png").stat().st_size > 10000
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.count("(reused)") == 12
+    assert capsys.readouterr().out.count("(reused)") == 14
 
 
 def test_a_bootstrap_fit_whose_coefficient_underflowed_still_fits_r_star():

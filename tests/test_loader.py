@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tenx.data.loader import TokenLoader, TokenStream, sequential_windows
+from tenx.data.loader import SPREAD_BLOCK, TokenLoader, TokenStream, sequential_windows
 from tenx.errors import DataError
 
 
@@ -64,6 +64,38 @@ def test_epochs_each_window_once_then_reshuffled(tiny_data):
     assert sorted(r[0] for r in epoch0.tolist()) == sorted(int(expected[w * 32]) for w in range(10))
     batches(loader, 1)
     assert loader.epochs_seen == 2.5
+
+
+def test_a_spread_sample_takes_blocks_from_every_part_of_the_split(tiny_corpus_multishard):
+    """data.unique_sample = "spread": max_tokens tokens as blocks of SPREAD_BLOCK spaced evenly over the
+    whole split (across shards), read as one stream; 'first' keeps the split's first tokens."""
+    whole_stream = TokenStream(tiny_corpus_multishard, "train")
+    whole = whole_stream.read(0, len(whole_stream))
+    cap = 3 * SPREAD_BLOCK + 100
+    assert len(whole) > 4 * cap
+    first = TokenStream(tiny_corpus_multishard, "train", max_tokens=cap)
+    assert np.array_equal(first.read(0, cap), whole[:cap])
+    spread = TokenStream(tiny_corpus_multishard, "train", max_tokens=cap, sample="spread")
+    stride = len(whole) // 4  # 4 blocks, the last of 100 tokens
+    expected = np.concatenate(
+        [whole[k * stride : k * stride + min(SPREAD_BLOCK, cap - k * SPREAD_BLOCK)] for k in range(4)]
+    )
+    assert len(spread) == cap and np.array_equal(spread.read(0, cap), expected)
+    assert stride * 3 > whole_stream.starts[1]  # the sample crosses shards
+    for start in (0, SPREAD_BLOCK - 3, 2 * SPREAD_BLOCK + 7, cap - 50):  # reads that cross blocks
+        assert np.array_equal(spread.read(start, 50), expected[start : start + 50])
+    offset = SPREAD_BLOCK * 3 + 5
+    assert spread.locate(offset) == whole_stream.locate(3 * stride + 5)
+    assert spread.document_of(offset) == whole_stream.document_of(3 * stride + 5)
+    assert spread.window_ok(SPREAD_BLOCK - 3, 33)
+    loader = TokenLoader(spread, 32, 4, seed=0)  # every window read from the sample
+    x, _ = loader.next_batch()
+    starts = {tuple(expected[w * 32 : w * 32 + 32]) for w in range(loader.num_windows)}
+    assert all(tuple(row) in starts for row in x.tolist())
+    with pytest.raises(IndexError, match="outside stream"):
+        spread.read(cap - 10, 11)
+    same = TokenStream(tiny_corpus_multishard, "train", max_tokens=len(whole) + 5, sample="spread")
+    assert np.array_equal(same.read(0, len(same)), whole)  # a cap above the split: the whole split
 
 
 def test_batches_span_epoch_boundary(tiny_data):

@@ -30,6 +30,8 @@ from tenx.errors import ConfigError, DataError
 from tenx.hardware import host_to_device
 
 _SKIP_HINT = 'or set data.on_corrupt_shard = "skip" to train around it'
+SPREAD_BLOCK = 2048
+"""Tokens per block of a 'spread' sample (DataConfig.unique_sample)."""
 
 
 @dataclass
@@ -40,7 +42,12 @@ class DataConfig:
     train_split: str = field("train", help="split to train on")
     val_split: str = field("val", help="split for periodic validation loss")
     max_unique_tokens: int | None = field(
-        None, ge=2, help="use only the first N tokens of the training split (data-constrained experiments)"
+        None, ge=2, help="use only N tokens of the training split (data-constrained experiments)"
+    )
+    unique_sample: Literal["first", "spread"] = field(
+        "first",
+        help="which max_unique_tokens tokens: 'first' (the split's first N, in document order) or 'spread' "
+        "(blocks of 2,048 tokens at even intervals over the whole split: a sample of every part of it)",
     )
     verify: bool = field(True, help="verify each shard's checksums against the manifest when first read")
     on_corrupt_shard: Literal["error", "skip"] = field(
@@ -62,6 +69,10 @@ class TokenStream:
     first touches it. A corrupt shard raises DataError (`on_corrupt="error"`) or is recorded in
     `bad_shards` and reported to `on_bad_shard(path, message)` (`on_corrupt="skip"`); reads never
     return its tokens.
+
+    `max_tokens` caps the stream at that many tokens: the split's first ones (`sample="first"`), or
+    (`sample="spread"`) blocks of SPREAD_BLOCK tokens whose starts are spaced evenly over the whole split,
+    read one after another as one stream (offsets, `locate` and `document_of` take the stream's offsets).
     """
 
     def __init__(
@@ -71,6 +82,7 @@ class TokenStream:
         verify: bool = True,
         max_tokens: int | None = None,
         on_corrupt: Literal["error", "skip"] = "error",
+        sample: Literal["first", "spread"] = "first",
     ):
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
@@ -96,6 +108,12 @@ class TokenStream:
             total += int(shard["tokens"])
         self.total_tokens = total
         self.num_tokens = min(total, max_tokens) if max_tokens is not None else total
+        if sample not in ("first", "spread"):
+            raise ValueError(f"sample must be 'first' or 'spread', got {sample!r}")
+        self._stride = 0  # a spread sample: block k starts at k * stride of the split (0: no spread)
+        if sample == "spread" and self.num_tokens < total:
+            blocks = -(-self.num_tokens // SPREAD_BLOCK)
+            self._stride = total // blocks  # >= SPREAD_BLOCK: blocks * SPREAD_BLOCK < total + SPREAD_BLOCK
         self._doc_starts: dict[int, np.ndarray] | None = None
         self._open()
 
@@ -113,7 +131,7 @@ class TokenStream:
         for i, shard in enumerate(self.entries):
             path = self.data_dir / shard["file"]
             tokens = int(shard["tokens"])
-            if not tokens or self.starts[i] >= self.num_tokens:
+            if not tokens or (not self._stride and self.starts[i] >= self.num_tokens):
                 self._sound.add(i)
             if not tokens:
                 self.shards.append(np.zeros(0, dtype=dtype))
@@ -170,14 +188,34 @@ class TokenStream:
         """Whether every shard under tokens [start, start+length) is sound, verifying each on first use."""
         if self._all_good:
             return True
-        end = start + length
-        i = bisect.bisect_right(self.starts, start) - 1
-        while True:
-            if not self._check(i):
-                return False
-            i += 1
-            if i == len(self.starts) or self.starts[i] >= end:
-                return True
+        for begin, take in self._pieces(start, length):
+            end = begin + take
+            i = bisect.bisect_right(self.starts, begin) - 1
+            while True:
+                if not self._check(i):
+                    return False
+                i += 1
+                if i == len(self.starts) or self.starts[i] >= end:
+                    break
+        return True
+
+    def _physical(self, offset: int) -> int:
+        """The split offset of stream offset `offset` (they differ in a spread sample)."""
+        if not self._stride:
+            return offset
+        block, within = divmod(offset, SPREAD_BLOCK)
+        return block * self._stride + within
+
+    def _pieces(self, start: int, length: int) -> list[tuple[int, int]]:
+        """Stream tokens [start, start+length) as (split offset, count) pieces, one per block crossed."""
+        if not self._stride:
+            return [(start, length)]
+        pieces = []
+        while length > 0:
+            take = min(length, SPREAD_BLOCK - start % SPREAD_BLOCK)
+            pieces.append((self._physical(start), take))
+            start, length = start + take, length - take
+        return pieces
 
     def document_of(self, token_offset: int) -> int | None:
         """The split-wide index of the document holding a stream offset (None: its shard's index is unreadable).
@@ -185,6 +223,7 @@ class TokenStream:
         Shards hold whole documents in order; `{split}_NNNNN.idx` lists each one's start within its shard."""
         if not 0 <= token_offset < self.num_tokens:
             raise IndexError(f"offset {token_offset} outside stream of {self.num_tokens} tokens")
+        token_offset = self._physical(token_offset)
         i = bisect.bisect_right(self.starts, token_offset) - 1
         if self._doc_starts is None:
             self._doc_starts = {}
@@ -201,6 +240,7 @@ class TokenStream:
         """The shard file (relative to the data directory) holding a stream offset, and the offset in it."""
         if not 0 <= token_offset < self.num_tokens:
             raise IndexError(f"offset {token_offset} outside stream of {self.num_tokens} tokens")
+        token_offset = self._physical(token_offset)
         i = bisect.bisect_right(self.starts, token_offset) - 1
         return self.entries[i]["file"], token_offset - self.starts[i]
 
@@ -210,19 +250,21 @@ class TokenStream:
             raise IndexError(f"read [{start}, {start + length}) outside stream of {self.num_tokens} tokens")
         out = np.empty(length, dtype=np.int64)
         pos = 0
-        i = bisect.bisect_right(self.starts, start) - 1
-        while pos < length:
-            if not self._check(i):
-                raise DataError(
-                    f"read [{start}, {start + length}) touches a corrupt shard: {self.bad_shards[i]}"
-                )
-            local = start + pos - self.starts[i]
-            take = min(length - pos, len(self.shards[i]) - local)
-            piece = self.shards[i][local : local + take]
-            check_token_ids(piece, self.vocab_size, self.data_dir / self.entries[i]["file"], local)
-            out[pos : pos + take] = piece
-            pos += take
-            i += 1
+        for begin, count in self._pieces(start, length):
+            i = bisect.bisect_right(self.starts, begin) - 1
+            end = pos + count
+            while pos < end:
+                if not self._check(i):
+                    raise DataError(
+                        f"read [{start}, {start + length}) touches a corrupt shard: {self.bad_shards[i]}"
+                    )
+                local = begin + count - (end - pos) - self.starts[i]
+                take = min(end - pos, len(self.shards[i]) - local)
+                piece = self.shards[i][local : local + take]
+                check_token_ids(piece, self.vocab_size, self.data_dir / self.entries[i]["file"], local)
+                out[pos : pos + take] = piece
+                pos += take
+                i += 1
         return out
 
 

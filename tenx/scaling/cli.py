@@ -95,6 +95,7 @@ def cmd_derisk(args: argparse.Namespace) -> None:
         mode=args.mode,
         unique_tokens=args.unique_tokens,
         compare_unique_tokens=args.compare_unique_tokens,
+        token_fractions=args.token_fractions,
     )
     (run_data_derisk if dc.mode == "data" else run_derisk)(dc, args.out, dry_run=args.dry_run)
 
@@ -117,7 +118,12 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
     )
     rp.add_argument("--budgets", help="training FLOP budgets, e.g. 1e12,4e12,1.6e13")
     add_config_arguments(rp, DeriskConfig, ["seeds", "target"], overrides=True)
-    add_config_arguments(rp, DeriskConfig, ["mode", "unique_tokens", "compare_unique_tokens"], overrides=True)
+    add_config_arguments(
+        rp,
+        DeriskConfig,
+        ["mode", "unique_tokens", "compare_unique_tokens", "token_fractions"],
+        overrides=True,
+    )
     defaults = DeriskConfig()
     for action in rp._actions:  # flags that override the file: say the value used when neither gives one
         if action.dest in ("base", "budgets", "seeds") and "default" not in (action.help or ""):

@@ -2,9 +2,12 @@
 with `mode = "data"`).
 
 The baseline is trained at every budget (each budget is one scale: the ladder's `ratio` grid picks its
-depth N and it trains D = budget / F tokens) under each unique-token budget U of `unique_tokens`, so a run
-repeats its data D/U times; beside those runs, at each scale, one run reads fresh data (D tokens, no cap)
-and, for each U below D, one reads U tokens once. Muennighoff et al. (2023)'s data-constrained law
+depth N and it trains D = budget / F tokens), and on each of `token_fractions` of those tokens, on fresh data
+and under each unique-token budget U of `unique_tokens` below them, so a run repeats its data D/U times. Its
+runs at one scale share the batch size and differ in schedule length only. A capped run reads the U tokens
+the run's `data.unique_sample` picks (the shipped study: 'spread', blocks from every part of the split, so
+that one epoch of U is a sample of the same data the fresh runs read). Muennighoff et al. (2023)'s
+data-constrained law
 
     L(N, D, U) = E + A/N^alpha + B/D'^beta,   D' = U + U R* (1 - exp(-R/R*)),  R = D/U - 1
 
@@ -13,15 +16,18 @@ the decay R* of repeated tokens on every run). Each change is trained alone on t
 scale, at U_c = `compare_unique_tokens` (default: the smallest U). Its **effective data multiplier** at a
 scale is
 
-    m = D'_needed / D'(D, U_c),   D'_needed = (B / (L_change - E - A/N^alpha))^(1/beta)
+    m = D'_needed(L_change) / D'_needed(L_baseline),   D'_needed(L) = (B / (L - E - A/N^alpha))^(1/beta)
 
-the factor of unique tokens the baseline would need, repeated as often as the change's run repeats its
-own (D' is proportional to U at a fixed number of epochs), to reach the change's held-out loss. At a fixed
-compute the baseline could not get there by more unique data alone once it reads each token once, so the
-multiplier keeps the epochs, not the compute, fixed. m > 1 is a gain; m is infinite when the change beats
-the law's floor for that model size (E + A/N^alpha).
+at the baseline's size N, L_baseline being the baseline's own measured loss at the same scale, tokens and
+U_c: the factor of unique tokens the baseline would need, repeated as often (D' is proportional to U at a
+fixed number of epochs), to reach the change's held-out loss from its own. The law supplies only how loss
+falls with effective data there; the measured baseline anchors it, so a law that misses the baseline's
+point by a few percent does not turn into a multiplier (were the law exact, D'_needed(L_baseline) would be
+D'(D, U_c)). At a fixed compute the baseline could not get there by more unique data alone once it reads
+each token once, so the multiplier keeps the epochs, not the compute, fixed. m > 1 is a gain; m is
+infinite when the change beats the law's floor for that model size (E + A/N^alpha).
 
-Intervals combine the bootstrap of the law with seed noise (the smallest scale's runs at U_c train with
+Intervals combine the bootstrap of the law with seed noise (every run of the smallest scale trains with
 `seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
 / reverses / hurts) are tenx.scaling.derisk's, per decade of training compute.
 """
@@ -49,43 +55,48 @@ LAW_PARAMS = ("E", "A", "B", "alpha", "beta", "R_D_star")
 """The data-constrained law's parameters, in FitResult's column order."""
 
 
-def effective_data_multiplier(values: np.ndarray, N: Any, D: Any, U: Any, loss: Any) -> np.ndarray:
-    """m = D'_needed / D'(D, U) (module doc) for law parameter rows `values` (S, 6) -> (S, M), the runs'
-    N, D, U and held-out loss broadcast to M values (or to (S, M), e.g. a loss per bootstrap row); inf
-    where the loss lies at or below the law's floor for N."""
-    from tenx.scaling.fit import effective_data
-
+def data_needed(values: np.ndarray, N: Any, loss: Any) -> np.ndarray:
+    """D'_needed = (B / (loss - E - A/N^alpha))^(1/beta): the effective data at which the law reaches
+    `loss` at size N, for law parameter rows `values` (S, 6) -> (S, M) (N and loss broadcast to M values or
+    to (S, M)); inf where the loss lies at or below the law's floor for N."""
     values = np.atleast_2d(np.asarray(values, dtype=float))
-    E, A, B, alpha, beta, r_star = (values[:, i : i + 1] for i in range(6))
-    N, D, U, loss = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (N, D, U, loss))
+    E, A, B, alpha, beta = (values[:, i : i + 1] for i in range(5))
+    N, loss = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (N, loss))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         gap = loss - E - A * N**-alpha
-        needed = np.where(gap > 0, (B / np.where(gap > 0, gap, 1.0)) ** (1.0 / beta), np.inf)
-        return needed / effective_data(D, U, r_star)
+        return np.where(gap > 0, (B / np.where(gap > 0, gap, 1.0)) ** (1.0 / beta), np.inf)
+
+
+def effective_data_multiplier(values: np.ndarray, N: Any, loss: Any, baseline_loss: Any) -> np.ndarray:
+    """m = D'_needed(loss) / D'_needed(baseline_loss) at the baseline's size N (module doc) for law
+    parameter rows `values` (S, 6) -> (S, M): the factor of effective data, and so of unique tokens at the
+    same epochs, between the baseline's measured loss and the change's. inf where the change's loss lies at
+    or below the law's floor; nan where the baseline's own does (the law cannot place it)."""
+    anchor = data_needed(values, N, baseline_loss)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isinf(anchor), np.nan, data_needed(values, N, loss) / anchor)
 
 
 # ----- planning --------------------------------------------------------------------------------------
 @dataclass
 class DataRun:
     """One run of a data-mode study: its config ('baseline' or a change), scale (the budget that chose its
-    size), unique-token cap (None: fresh data) and the planned run."""
+    size), unique-token cap (None: fresh data), fraction of the scale's tokens and the planned run."""
 
     stage: str
     scale: float
     unique: int | None
     run: PlannedRun
+    fraction: float = 1.0
 
 
-def _tag(stage: str, unique: int | None, once: bool = False) -> str:
-    return (
-        stage
-        + ("-fresh" if unique is None else f"-U{unique:.2e}".replace("+", ""))
-        + ("-once" if once else "")
-    )
+def _tag(stage: str, unique: int | None) -> str:
+    return stage + ("-fresh" if unique is None else f"-U{unique:.2e}".replace("+", ""))
 
 
 def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun]:
-    """The baseline's runs (fresh, each U, each U once) and each change's at U_c, at every scale."""
+    """The baseline's runs (on each fraction of each scale's tokens: fresh, and under each U below them)
+    and each change's at U_c on the whole of each scale's tokens."""
     if dc.mode != "data":
         raise ConfigError(f"mode: {dc.mode!r}; plan_data_derisk plans mode 'data' studies")
     lc, overrides, depths = prepare_stack(dc, dry_run=dry_run)
@@ -94,26 +105,32 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
     planned: list[DataRun] = []
     for scale in sorted(dc.budgets):
         one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
-        fresh = plan_ladder(base, one, _tag("baseline", None))[0]
-        planned.append(DataRun("baseline", scale, None, fresh))
-        for u in sorted(set(dc.unique_tokens)):
-            if u >= fresh.tokens:  # reads each token at most once: the fresh run is that point
-                continue
-            seeds = dc.seeds if scale == smallest and u == dc.compare_u else 1
-            capped = dataclasses.replace(one, unique_tokens=u, seeds=seeds)
-            planned += [
-                DataRun("baseline", scale, u, r) for r in plan_ladder(base, capped, _tag("baseline", u))
-            ]
-            once = dataclasses.replace(one, budgets=[u * fresh.flops_per_token])
+        for fraction in sorted({*dc.token_fractions, 1.0}):
+            part = dataclasses.replace(one, budgets=[scale * fraction])
             try:
-                planned.append(
-                    DataRun("baseline", scale, None, plan_ladder(base, once, _tag("baseline", u, True))[0])
-                )
+                fresh = plan_ladder(base, part, _tag("baseline", None))[0]
             except ConfigError as e:
                 raise ConfigError(
-                    f"unique_tokens: one epoch of {u} tokens at depth {depths[scale]} is too short a run "
-                    f"({e}); raise the smallest unique_tokens or lower ladder.min_steps"
+                    f"token_fractions: {fraction:g} of budget {scale:.3g} at depth {depths[scale]} is too "
+                    f"short a run ({e}); raise the fraction or lower ladder.min_steps"
                 ) from None
+            seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
+            if seeds > 1:
+                part = dataclasses.replace(part, seeds=seeds)
+                planned += [
+                    DataRun("baseline", scale, None, r, fraction)
+                    for r in plan_ladder(base, part, _tag("baseline", None))
+                ]
+            else:
+                planned.append(DataRun("baseline", scale, None, fresh, fraction))
+            for u in sorted(set(dc.unique_tokens)):
+                if u >= fresh.tokens:  # reads each token at most once: the fresh run is that point
+                    continue
+                capped = dataclasses.replace(part, unique_tokens=u)
+                planned += [
+                    DataRun("baseline", scale, u, r, fraction)
+                    for r in plan_ladder(base, capped, _tag("baseline", u))
+                ]
         for change in dc.change:
             cfg = load_base(dc.base, overrides + list(change.set))
             seeds = dc.seeds if scale == smallest else 1
@@ -156,13 +173,14 @@ def analyse_data(
         raise DataError(f"{e} (baseline of the data-mode study: add budgets or unique_tokens)") from None
     scales = sorted(dc.budgets)
     smallest = scales[0]
-    # seed noise: pooled standard deviation of the held-out loss over the seeds at the smallest scale
-    compare = {"baseline": [r for r in baseline if r["budget"] == smallest and r.get("compare")], **changes}
-    groups = [
-        g
-        for g in ([r["heldout_loss"] for r in rows if r["budget"] == smallest] for rows in compare.values())
-        if len(g) > 1
-    ]
+    # seed noise: pooled standard deviation of the held-out loss over the seeds of each run at the smallest
+    # scale (a run: a config, its tokens and unique tokens)
+    runs: dict[tuple[str, float, float], list[float]] = {}
+    for name, rows in {"baseline": baseline, **changes}.items():
+        for r in rows:
+            if r["budget"] == smallest:
+                runs.setdefault((name, r["tokens"], r["unique_tokens"]), []).append(r["heldout_loss"])
+    groups = [g for g in runs.values() if len(g) > 1]
     dof = sum(len(g) - 1 for g in groups)
     sigma = (
         math.sqrt(sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups) / dof) if dof else 0.0
@@ -185,10 +203,24 @@ def analyse_data(
             for k in ("params", "tokens", "unique_tokens", "heldout_loss")
         )
         n = np.array([len(a) for a in at])
-        m_point = effective_data_multiplier(point, N, D, U, L)[0]
-        noise = rng.normal(0.0, 1.0, (len(samples), len(L))) * (sigma / np.sqrt(n))[None, :]
-        m_samples = effective_data_multiplier(samples, N, D, U, L[None, :] + noise)
-        log_m = np.log10(np.clip(m_samples, 1e-300, 1e300))
+        # the baseline's own runs at the same scale, tokens and unique tokens: the anchor of each multiplier
+        anchor = [_same_run(baseline, s, a[0]) for s, a in zip(scales, at)]
+        missing = [s for s, a in zip(scales, anchor) if not a]
+        if missing:
+            raise DataError(
+                f"change {name!r}: the baseline has no run at budget {missing[0]:.3g} with its unique tokens "
+                "to compare with"
+            )
+        N_b, L_b = (
+            np.array([np.mean([r[k] for r in a]) for a in anchor]) for k in ("params", "heldout_loss")
+        )
+        n_b = np.array([len(a) for a in anchor])
+        m_point = effective_data_multiplier(point, N_b, L, L_b)[0]
+        shape = (len(samples), len(L))
+        noise = rng.normal(0.0, 1.0, shape) * (sigma / np.sqrt(n))[None, :]
+        noise_b = rng.normal(0.0, 1.0, shape) * (sigma / np.sqrt(n_b))[None, :]
+        m_samples = effective_data_multiplier(samples, N_b, L[None, :] + noise, L_b[None, :] + noise_b)
+        log_m = np.log10(np.clip(np.nan_to_num(m_samples, nan=1.0), 1e-300, 1e300))
         slopes = np.polyfit(logc, log_m.T, 1)[0]
         fin = np.isfinite(m_point) & (m_point > 0)
         slope, intercept = (
@@ -213,6 +245,7 @@ def analyse_data(
                     "unique_tokens": float(U[j]),
                     "epochs": float(D[j] / U[j]),
                     "heldout_loss": float(L[j]),
+                    "baseline_heldout_loss": float(L_b[j]),
                     "seeds": int(n[j]),
                 }
                 for j, s in enumerate(scales)
@@ -240,6 +273,14 @@ def analyse_data(
         ],
         "changes": out_changes,
     }
+
+
+def _same_run(baseline: list[dict[str, Any]], scale: float, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The baseline's rows (its seeds) at `scale` on all of its tokens (the longest runs there) and with
+    `row`'s unique tokens: the runs a change's run at that scale is compared with."""
+    same = [r for r in baseline if r["budget"] == scale and r["unique_tokens"] == row["unique_tokens"]]
+    longest = max((r["tokens"] for r in same), default=None)
+    return [r for r in same if r["tokens"] == longest]
 
 
 def _bound(log_m: np.ndarray, q: float) -> list[float]:
@@ -302,6 +343,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from tenx.scaling.fit import FitResult
 
@@ -313,7 +355,10 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
         if len(rows) < 2:  # a single-epoch run of U tokens: a point of the fit, not of a curve
             continue
         (line,) = ax1.plot(
-            [r["epochs"] for r in rows], [r["heldout_loss"] for r in rows], "o", label=f"N {size[0]:.3g}"
+            [r["epochs"] for r in rows],
+            [r["heldout_loss"] for r in rows],
+            "o",
+            label=f"N {size[0]:.3g}, D {size[1]:.3g}",
         )
         epochs = np.geomspace(1.0, max(r["epochs"] for r in rows) * 1.5, 60)
         ax1.plot(
@@ -328,7 +373,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax1.set_ylabel("held-out loss (nats/token)")
     ax1.set_title("baseline, with the data-constrained law")
     ax1.grid(alpha=0.3, which="both")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7, loc="best")
     scales = np.array(result["budgets"])
     any_shown = False
     for ch in result["changes"]:
@@ -348,6 +393,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
         ax2.set_xscale("log")
         ax2.set_yscale("log", nonpositive="clip")
         ax2.set_ylim(*SHOWN)
+        ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded labels on a short decade
     ax2.set_xlabel("training FLOPs of the scale")
     ax2.set_ylabel("effective data multiplier")
     ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")
@@ -383,7 +429,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
             f"{row['heldout_loss']:.4f} nats/token ({state})",
             flush=True,
         )
-        mine = {**row, "budget": p.scale, "compare": p.unique == dc.compare_u}
+        mine = {**row, "budget": p.scale}
         (baseline if p.stage == "baseline" else changes[p.stage]).append(mine)
     result = analyse_data(baseline, changes, dc)
     result["wall_s"] = time.perf_counter() - t0

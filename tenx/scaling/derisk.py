@@ -106,6 +106,11 @@ class DeriskConfig:
     compare_unique_tokens: int | None = field(
         None, ge=2, help="mode 'data': the U the changes train at (default: the smallest of unique_tokens)"
     )
+    token_fractions: list[float] = field(
+        default_factory=lambda: [0.5, 1.0],
+        help="mode 'data': the baseline trains each scale on these fractions of its tokens (fresh and under "
+        "each U; same batch, shorter schedule), so the law sees several token counts per size",
+    )
 
     def validate(self) -> None:
         """Check bounds, budgets, changes and the grid; names the offending field."""
@@ -148,6 +153,13 @@ class DeriskConfig:
             )
         if self.ladder.unique_tokens is not None:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
+        if not self.token_fractions or any(
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
+            for f in self.token_fractions
+        ):
+            raise ConfigError(
+                f"token_fractions: give fractions in (0, 1] of each scale's tokens, got {self.token_fractions}"
+            )
 
     @property
     def compare_u(self) -> int:
@@ -525,7 +537,7 @@ def derisk_from_args(
 ) -> DeriskConfig:
     """A DeriskConfig from a file and/or flags (flags win; --change flags replace the file's changes).
 
-    `data_mode`: mode, unique_tokens, compare_unique_tokens (None or empty: the file's)."""
+    `data_mode`: mode, unique_tokens, compare_unique_tokens, token_fractions (None or empty: the file's)."""
     dc = load_derisk(config) if config else DeriskConfig()
     if base:
         dc.base = base
@@ -540,7 +552,7 @@ def derisk_from_args(
     if target is not None:
         dc.target = target
     for name, value in data_mode.items():
-        if name not in ("mode", "unique_tokens", "compare_unique_tokens"):
+        if name not in ("mode", "unique_tokens", "compare_unique_tokens", "token_fractions"):
             raise TypeError(f"derisk_from_args() got an unexpected keyword argument {name!r}")
         if value is not None and value != []:
             setattr(dc, name, value)

@@ -273,6 +273,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         cfg.data.verify,
         cfg.data.max_unique_tokens,
         on_corrupt=cfg.data.on_corrupt_shard,
+        sample=cfg.data.unique_sample,
     )
     manifest = train_stream.manifest
     # Replica groups (torchft, across clusters): each group reads its own share of every global batch.

@@ -135,12 +135,9 @@ class Replayer:
                 f"{self.rundir.root}: the run used replica groups (parallel.replicas.mode="
                 f"{self.cfg.parallel.replicas.mode!r}); replay covers single-process, DDP and FSDP runs"
             )
+        data = self.cfg.data
         self.stream = TokenStream(
-            self.cfg.data.dir,
-            self.cfg.data.train_split,
-            verify=True,
-            max_tokens=self.cfg.data.max_unique_tokens,
-            on_corrupt="skip",
+            data.dir, data.train_split, True, data.max_unique_tokens, "skip", data.unique_sample
         )
         self.shape = shape = run_shape(
             self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size
