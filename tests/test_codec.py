@@ -149,6 +149,8 @@ def test_the_fixed_point_steps_compute_the_models_logits(overrides):
             stepped = torch.stack([step.hidden(tokens_BT[:, t], t) for t in range(length)], dim=1)
             at_once = FixedStepper(weights, 3).hidden_all(tokens_BT[:, :length])
             assert torch.equal(at_once, stepped)
+            for block in (1, 5, 8):  # blocks of positions, each attending to the ones before it: same bits
+                assert torch.equal(FixedStepper(weights, 3).hidden_all(tokens_BT[:, :length], block), stepped)
 
 
 def test_deterministic_functions_are_accurate():
@@ -228,6 +230,23 @@ def test_round_trip_across_torch_thread_counts(codec, tiny_data):
             assert decompress_bytes(codec, blob) == data
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_files_chunks_are_coded_in_equal_groups(codec, tiny_data, monkeypatch):
+    """Chunks split into as few groups of at most MAX_GROUP as possible, of nearly equal size (no short
+    last group stepping through every position for a few rows); the header says the size, and a file
+    with groups of any size (64 + 64 + 6 from before) still decodes."""
+    assert [codec_mod._balanced(n, 64) for n in (1, 64, 65, 134, 200)] == [1, 64, 33, 45, 50]
+    assert codec_mod._balanced(134, 256) == 134
+    data = b"".join(_heldout_documents(tiny_data))[:3000]
+    chunks = -(-len(codec_mod._to_ids(codec, data)) // codec.model.cfg.seq_len)
+    assert chunks >= 7
+    monkeypatch.setattr(codec_mod, "MAX_GROUP", chunks - 2)  # two groups: half and half
+    blob = compress_bytes(codec, data)
+    assert read_header(blob).group == -(-chunks // 2) and decompress_bytes(codec, blob) == data
+    monkeypatch.setattr(codec_mod, "_balanced", lambda n, group: group)  # the old split: a short last group
+    blob = compress_bytes(codec, data)
+    assert read_header(blob).group == chunks - 2 and decompress_bytes(codec, blob) == data
 
 
 @pytest.fixture(scope="module")

@@ -285,9 +285,15 @@ class FixedStepper:
         """The final norm's outputs (R, D) at `pos`, which the output layer turns into logits."""
         return self._forward(tokens_R[:, None], pos)[:, 0]
 
-    def hidden_all(self, tokens_RT: torch.Tensor) -> torch.Tensor:
-        """The final norm's outputs (R, T, D) at positions 0..T-1 of chunks starting with `tokens_RT`."""
-        return self._forward(tokens_RT, 0)
+    def hidden_all(self, tokens_RT: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """The final norm's outputs (R, T, D) at positions 0..T-1 of chunks starting with `tokens_RT`,
+        `block` positions at a time (default: all): each block attends to the cache the blocks before it
+        filled, so a block skips the scores of later positions that a single pass computes only to mask
+        them (the same bits: a masked key weighs exactly 0 and every sum is exact)."""
+        T = tokens_RT.shape[1]
+        step = T if block is None else max(1, block)
+        parts = [self._forward(tokens_RT[:, s : s + step], s) for s in range(0, T, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _forward(self, tokens_RT: torch.Tensor, start: int) -> torch.Tensor:
         """Positions start..start+T-1 of R rows: their keys and values join the cache."""
