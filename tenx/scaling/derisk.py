@@ -115,6 +115,13 @@ class DeriskConfig:
     def validate(self) -> None:
         """Check bounds, budgets, changes and the grid; names the offending field."""
         cfglib.check_bounds(self)
+        if not self.token_fractions or any(
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
+            for f in self.token_fractions
+        ):
+            raise ConfigError(
+                f"token_fractions: give fractions in (0, 1] of each scale's tokens, got {self.token_fractions}"
+            )
         if len(self.budgets) < 2:
             raise ConfigError("budgets: give at least 2 budgets (3 or more to see a trend)")
         for i, b in enumerate(self.budgets):
@@ -153,13 +160,6 @@ class DeriskConfig:
             )
         if self.ladder.unique_tokens is not None:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
-        if not self.token_fractions or any(
-            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
-            for f in self.token_fractions
-        ):
-            raise ConfigError(
-                f"token_fractions: give fractions in (0, 1] of each scale's tokens, got {self.token_fractions}"
-            )
 
     @property
     def compare_u(self) -> int:
