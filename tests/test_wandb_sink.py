@@ -7,6 +7,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,9 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_sends_no_event_twice(
     train(tiny_config(tiny_data, "train.steps=4", *common), run)
     first = json.loads(RunDir(run).wandb_state.read_text())
     EventLog(run).emit("restart", 4, message="the supervisor restarts the run")  # between the two processes
+    # W&B names an offline run's directory by the second it started: a tiny run that resumes within the same
+    # second would write into the first process's directory (never so for a real restart, which takes longer)
+    time.sleep(1.1)
     train(tiny_config(tiny_data, "train.steps=7", *common), run, resume="auto")
     second = json.loads(RunDir(run).wandb_state.read_text())
     assert second["id"] == first["id"]
