@@ -4,7 +4,8 @@ Runs the study of configs/derisk/data_efficiency.toml (`tenx derisk` in data mod
 data_multiplier.py): the baseline at 3 model sizes on fresh data and capped at each unique-token budget U,
 each on several fractions of its tokens; Muennighoff et al. (2023)'s data-constrained law fitted to those
 runs; each change trained at U = compare_unique_tokens and read off the law, anchored at the baseline's own
-run there, as an effective data multiplier per scale, with a 95% interval and a verdict. Runs already in OUT are reused, so a second call only re-analyses.
+run there, as an effective data multiplier per scale, with a 95% interval and a verdict. Runs already in
+OUT are reused, so a second call only re-analyses.
 
 The law is then checked on points it was not fitted on, two ways, each against the baseline's own law as
 the named baseline of this benchmark:

@@ -105,26 +105,19 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
     planned: list[DataRun] = []
     for scale in sorted(dc.budgets):
         one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
+        seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
         for fraction in sorted({*dc.token_fractions, 1.0}):
-            part = dataclasses.replace(one, budgets=[scale * fraction])
+            part = dataclasses.replace(one, budgets=[scale * fraction], seeds=seeds)
             try:
-                fresh = plan_ladder(base, part, _tag("baseline", None))[0]
+                fresh = plan_ladder(base, part, _tag("baseline", None))
             except ConfigError as e:
                 raise ConfigError(
                     f"token_fractions: {fraction:g} of budget {scale:.3g} at depth {depths[scale]} is too "
                     f"short a run ({e}); raise the fraction or lower ladder.min_steps"
                 ) from None
-            seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
-            if seeds > 1:
-                part = dataclasses.replace(part, seeds=seeds)
-                planned += [
-                    DataRun("baseline", scale, None, r, fraction)
-                    for r in plan_ladder(base, part, _tag("baseline", None))
-                ]
-            else:
-                planned.append(DataRun("baseline", scale, None, fresh, fraction))
+            planned += [DataRun("baseline", scale, None, r, fraction) for r in fresh]
             for u in sorted(set(dc.unique_tokens)):
-                if u >= fresh.tokens:  # reads each token at most once: the fresh run is that point
+                if u >= fresh[0].tokens:  # reads each token at most once: the fresh run is that point
                     continue
                 capped = dataclasses.replace(part, unique_tokens=u)
                 planned += [
@@ -133,7 +126,6 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
                 ]
         for change in dc.change:
             cfg = load_base(dc.base, overrides + list(change.set))
-            seeds = dc.seeds if scale == smallest else 1
             capped = dataclasses.replace(one, unique_tokens=dc.compare_u, seeds=seeds)
             planned += [
                 DataRun(change.name, scale, dc.compare_u, r)
