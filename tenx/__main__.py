@@ -1,7 +1,5 @@
 """`python -m tenx` runs the `tenx` command."""
 
-import sys
+from tenx.cli import entry
 
-from tenx.cli import main
-
-sys.exit(main())
+entry()

@@ -97,5 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `tenx` console script and `python -m tenx`: `main`, then exit with its status.
+
+    A process that trained in a torch.distributed process group (a torchrun worker) ends without
+    interpreter teardown, where gloo's threads sometimes aborted a finished run (`end_process`)."""
+    code = main()
+    distributed = sys.modules.get("tenx.parallel.distributed")  # never imported: no group joined
+    if distributed is not None:
+        distributed.end_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -280,3 +280,35 @@ def test_the_chunked_loss_gives_fsdp2_the_plain_losss_gradients(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     _, diff, count = next(line for line in out.stdout.splitlines() if line.startswith("DIFF")).split()
     assert int(count) > 10 and float(diff) < 1e-6, out.stdout
+
+
+END_PROCESS = """
+import atexit, sys
+import torch.distributed as dist
+from tenx.parallel.distributed import end_process, left_process_group, shutdown_distributed
+
+end_process(5)  # never joined a group: returns
+print("before", left_process_group())
+atexit.register(lambda: print("ATEXIT RAN"))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+shutdown_distributed()
+sys.stdout.write("left " + str(left_process_group()))  # no newline: end_process must flush it
+end_process(3)
+print("NOT REACHED")
+"""
+
+
+def test_a_process_that_left_a_group_ends_without_interpreter_teardown(tmp_path):
+    """`end_process`: a torchrun worker exits with its status, output flushed, and no interpreter teardown
+    (where gloo's threads sometimes aborted a finished run); a process that never joined returns."""
+    script = tmp_path / "end.py"
+    script.write_text(END_PROCESS)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert out.stdout == "before False\nleft True", out.stdout

@@ -135,13 +135,55 @@ def init_distributed(env: DistEnv, device: torch.device, cfg: ParallelConfig) ->
     return True
 
 
+_LEFT_GROUP = False  # this process joined (and has left) a torch.distributed process group
+
+
 def shutdown_distributed() -> None:
     """Leave the process group cleanly (a barrier first: FSDP2 otherwise sometimes aborts at exit)."""
+    global _LEFT_GROUP
     if dist.is_available() and dist.is_initialized():
+        _LEFT_GROUP = True
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def abandon_distributed() -> None:
+    """Leave the process group without a barrier: a failed rank must not wait for peers that may be gone."""
+    global _LEFT_GROUP
+    if dist.is_available() and dist.is_initialized():
+        _LEFT_GROUP = True
+        dist.destroy_process_group()
+
+
+def left_process_group() -> bool:
+    """Whether this process took part in a process group (and so should end by `end_process`)."""
+    return _LEFT_GROUP
+
+
+def end_process(code: int) -> None:
+    """End a process that took part in a gloo/NCCL process group with `code`, skipping interpreter teardown.
+
+    `destroy_process_group` unregisters the group, but DDP and FSDP modules still hold it, so its C++ side
+    (gloo worker and transport threads) is destroyed in interpreter finalization, in no set order with the
+    rest of the interpreter. There, about once in tens of runs under load, a rank aborted with `terminate
+    called without an active exception` (SIGABRT) after the run had finished and written everything, and
+    torchrun reported the whole job as failed. Everything a run owns is closed and flushed before this is
+    called (callbacks, checkpoint writers, metrics); stdio and logging are flushed here. A process that
+    never joined a group returns normally."""
+    if not _LEFT_GROUP:
+        return
+    import logging
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say on it
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def rank_device(device: torch.device, env: DistEnv) -> torch.device:

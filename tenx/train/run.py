@@ -5,15 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
 from tenx.hardware import pick_device
-from tenx.parallel.distributed import DistEnv, dist_env, init_distributed, rank_device, shutdown_distributed
+from tenx.parallel.distributed import (
+    DistEnv,
+    abandon_distributed,
+    dist_env,
+    init_distributed,
+    rank_device,
+    shutdown_distributed,
+)
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector
@@ -149,6 +154,6 @@ def _train(
         if owns_group:
             if finished:
                 shutdown_distributed()
-            else:  # a failed rank must not wait in a barrier for peers that may be gone
-                torch.distributed.destroy_process_group()
+            else:
+                abandon_distributed()
     return trainer, metrics
