@@ -57,7 +57,7 @@ from tenx.model.config import ModelConfig  # noqa: E402
 from tenx.model.flops import count_params, flops_per_token  # noqa: E402
 from tenx.parallel.lighthouse import start_lighthouse  # noqa: E402
 from tenx.parallel.replicas import ReplicaConfig  # noqa: E402
-from tenx.scaling.derisk import DeriskConfig, Stage, _fmt_m, _label_axes, analyse  # noqa: E402
+from tenx.scaling.derisk import DeriskConfig, Stage, _label_axes, analyse, format_multiplier  # noqa: E402
 from tenx.scaling.ladder import config_key  # noqa: E402
 from tenx.utils.io import atomic_write_json  # noqa: E402
 
@@ -340,7 +340,7 @@ def format_tables(summary: dict[str, Any], budgets: list[Budget], sync_loss: lis
     ]
     for mode, s in summary["modes"].items():
         cells = [
-            f"{loss:.4f} (x{_fmt_m(m, lo, hi)})"
+            f"{loss:.4f} (x{format_multiplier(m, lo, hi)})"
             for loss, m, lo, hi in zip(s["heldout_loss"], s["multiplier"], s["low"], s["high"])
         ]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")

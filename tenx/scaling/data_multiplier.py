@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
-from tenx.scaling.derisk import DeriskConfig, _fmt_m, prepare_stack, verdict
+from tenx.scaling.derisk import DeriskConfig, format_multiplier, prepare_stack, verdict
 from tenx.scaling.ladder import config_key, load_base, run_one
 from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_text
@@ -316,7 +316,9 @@ def format_data_derisk(result: dict[str, Any]) -> str:
         "|---" * (len(scales) + 4) + "|",
     ]
     for ch in result["changes"]:
-        cells = " | ".join(_fmt_m(x, lo, hi) for x, lo, hi in zip(ch["multipliers"], ch["low"], ch["high"]))
+        cells = " | ".join(
+            format_multiplier(x, lo, hi) for x, lo, hi in zip(ch["multipliers"], ch["low"], ch["high"])
+        )
         lo, hi = ch["slope_interval"]
         factor = [10 ** min(x, 300.0) if math.isfinite(x) else x for x in (ch["slope_per_decade"], lo, hi)]
         trend = f"{factor[0]:.3g}x [{factor[1]:.3g}, {factor[2]:.3g}]"

@@ -384,7 +384,9 @@ def verdict(m: dict[str, Any], tolerance: float) -> str:
 
 
 # ----- report ----------------------------------------------------------------------------------------
-def _fmt_m(m: float, lo: float, hi: float) -> str:
+def format_multiplier(m: float, lo: float, hi: float) -> str:
+    """A multiplier and its interval as the reports print them: `1.08 [0.70, 1.96]`."""
+
     def f(x: float) -> str:
         if not math.isfinite(x):
             return "inf" if x > 0 else "nan"
@@ -423,7 +425,9 @@ def format_derisk(result: dict[str, Any]) -> str:
     for ch in result["changes"]:
         for ref in ("marginal", "cumulative"):
             m = ch[ref]
-            cells = " | ".join(_fmt_m(x, lo, hi) for x, lo, hi in zip(m["multipliers"], m["low"], m["high"]))
+            cells = " | ".join(
+                format_multiplier(x, lo, hi) for x, lo, hi in zip(m["multipliers"], m["low"], m["high"])
+            )
             lo, hi = m["slope_interval"]
             trend = f"{10 ** m['slope_per_decade']:.2f}x [{10**lo:.2f}, {10**hi:.2f}]"
             lines.append(
