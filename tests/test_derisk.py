@@ -174,3 +174,19 @@ def test_derisk_config_errors_name_the_field(tmp_path):
     dc = DeriskConfig(change=[ChangeConfig(name="x", set=["model.pos=rope"])])
     with pytest.raises(ConfigError, match="ladder.grid"):
         dataclasses.replace(dc, ladder=LadderConfig(grid="isoflop")).validate()
+
+
+@pytest.mark.parametrize(
+    "ms, low, high, expected",
+    [
+        ([1.03, 1.05, 1.08], [0.7, 0.5, 0.7], [1.5, 1.5, 2.0], "unresolved"),  # the data study's wd-x8
+        ([1.03, 1.05, 1.08], [0.7, 0.5, 1.05], [1.5, 1.5, 2.0], "persists"),  # the largest excludes 1
+        ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], "unresolved"),  # exactly no change
+        ([0.7, 0.6, 0.7], [0.4, 0.4, 0.4], [0.95, 0.9, 0.99], "hurts"),
+    ],
+)
+def test_a_change_no_budget_resolves_is_unresolved_whatever_its_point_estimates(ms, low, high, expected):
+    """Point estimates of 1.03, 1.05, 1.08 read alone say 'persists'; intervals that all hold 1 say the runs
+    cannot tell the change from none."""
+    m = {"multipliers": ms, "slope_per_decade": 0.0, "at_target": ms[-1], "low": low, "high": high}
+    assert verdict(m, 1.25) == expected

@@ -29,7 +29,7 @@ infinite when the change beats the law's floor for that model size (E + A/N^alph
 
 Intervals combine the bootstrap of the law with seed noise (every run of the smallest scale trains with
 `seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
-/ reverses / hurts) are tenx.scaling.derisk's, per decade of training compute.
+/ reverses / hurts / unresolved) are tenx.scaling.derisk's, per decade of training compute.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ Verdicts read the trend line (least squares of log m on log C) at the smallest a
 - *reverses*: a gain at the smallest budget that is gone (m <= 1) at the largest (the multiplier
   extrapolated to the target budget is reported beside the verdict; a fading gain may cross 1 there);
 - *persists*: anything else that helps;
-- *hurts*: m <= 1 at both ends of the trend line (a fifth verdict: no gain to persist).
+- *hurts*: m <= 1 at both ends of the trend line (a fifth verdict: no gain to persist);
+- *unresolved*: every budget's interval holds 1, so the runs cannot tell the change from none (more seeds
+  or larger budgets would); this one is read before the others.
 
 With `mode = "data"` a study measures each change's effective *data* multiplier at a fixed budget of unique
 tokens instead (tenx/scaling/data_multiplier.py, which plans and analyses it with this module's pieces).
@@ -361,11 +363,16 @@ def analyse(stages: list[Stage], rows: dict[str, dict[str, Any]], dc: DeriskConf
 
 
 def verdict(m: dict[str, Any], tolerance: float) -> str:
-    """persists | grows | fades | reverses | hurts, from the multipliers across budgets (see module doc).
+    """persists | grows | fades | reverses | hurts | unresolved, from the multipliers across budgets (see
+    module doc).
 
     The trend line through the multipliers (`fitted`) is read at the smallest and largest budget, so
-    one noisy budget does not decide alone.
+    one noisy budget does not decide alone. With intervals (`low`, `high`) that all hold 1, no budget tells
+    the change from none: *unresolved*, whatever the point estimates say.
     """
+    low, high = m.get("low"), m.get("high")
+    if low and high and all(lo <= 1 <= hi for lo, hi in zip(low, high)):
+        return "unresolved"
     line = m.get("fitted") or m["multipliers"]
     first, last = line[0], line[-1]
     slope = m["slope_per_decade"]
