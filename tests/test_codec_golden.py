@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_behaviour_unchanged import _corpus, _cpu_kind
+from test_behaviour_unchanged import _cpu_kind
+from test_resume_old_checkpoint import CHECKPOINT_DIR, prepare_old_checkpoint_data
 
 from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
 from tenx.compress.container import CodecAdaptation, read_header
-from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.eval.load import LoadedModel, load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "codec_golden"
-CHECKPOINT = FIXTURES / "old_main_checkpoint" / "step_00000006"
+CHECKPOINT = CHECKPOINT_DIR
 ADAPT = CodecAdaptation(lr=1e-3, every=8)
 
 
@@ -37,21 +37,10 @@ def _original() -> bytes:
 
 
 def _codec(tmp: Path) -> CodecModel:
-    (tmp / "corpus").mkdir()
-    _corpus(tmp / "corpus")
-    prepare(
-        PrepareConfig(
-            source=str(tmp / "corpus"),
-            out=str(tmp / "data"),
-            tokenizer="bytes",
-            near_dup_threshold=0,
-            contamination_threshold=1,
-        ),
-        progress=False,
-    )
+    data = prepare_old_checkpoint_data(tmp)
     loaded = load_model(CHECKPOINT, "cpu")
     return load_codec(
-        LoadedModel(loaded.model, loaded.checkpoint, {**loaded.meta, "data_dir": str(tmp / "data")}, None)
+        LoadedModel(loaded.model, loaded.checkpoint, {**loaded.meta, "data_dir": str(data)}, None)
     )
 
 

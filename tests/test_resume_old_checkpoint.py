@@ -17,33 +17,43 @@ import torch
 from test_behaviour_unchanged import _corpus, _cpu_kind
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_main_checkpoint"
+CHECKPOINT_DIR = FIXTURE / "step_00000006"
+"""The checkpoint itself (step 6)."""
 
 
-def test_checkpoint_from_before_the_restructuring_resumes_to_the_same_losses(tmp_path):
+def prepare_old_checkpoint_data(tmp: Path) -> Path:
+    """TMP/data: the data the fixture checkpoint was trained on (byte tokens of the generated corpus, no
+    near-duplicate or contamination moves), regenerated."""
     from tenx.data.prepare.pipeline import PrepareConfig, prepare
-    from tenx.train.config import CONFIG_DIR, load_run_config
-    from tenx.train.run import train
 
-    expected = json.loads((FIXTURE / "expected.json").read_text())
-    (tmp_path / "corpus").mkdir()
-    _corpus(tmp_path / "corpus")
+    (tmp / "corpus").mkdir()
+    _corpus(tmp / "corpus")
     prepare(
-        PrepareConfig(  # the data the old checkpoint was trained on: no near-duplicate or contamination moves
-            source=str(tmp_path / "corpus"),
-            out=str(tmp_path / "data"),
+        PrepareConfig(
+            source=str(tmp / "corpus"),
+            out=str(tmp / "data"),
             tokenizer="bytes",
             near_dup_threshold=0,
             contamination_threshold=1,
         ),
         progress=False,
     )
+    return tmp / "data"
+
+
+def test_checkpoint_from_before_the_restructuring_resumes_to_the_same_losses(tmp_path):
+    from tenx.train.config import CONFIG_DIR, load_run_config
+    from tenx.train.run import train
+
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    prepare_old_checkpoint_data(tmp_path)
     cfg = load_run_config(
         CONFIG_DIR / "tiny.toml",
         [f'data.dir="{tmp_path / "data"}"', "train.steps=10", *expected["overrides"]],
     )
     run = tmp_path / "run"
     saved = run / "checkpoints" / "step_00000006"
-    shutil.copytree(FIXTURE / "step_00000006", saved)
+    shutil.copytree(CHECKPOINT_DIR, saved)
     threads = torch.get_num_threads()
     try:
         trainer, _ = train(cfg, run, resume=str(saved))
