@@ -24,9 +24,7 @@ from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, lo
 from tenx.compress.container import CodecAdaptation, read_header
 from tenx.eval.load import LoadedModel, load_model
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "codec_golden"
-CHECKPOINT = CHECKPOINT_DIR
+GOLDEN = Path(__file__).parent / "fixtures" / "codec_golden"
 ADAPT = CodecAdaptation(lr=1e-3, every=8)
 
 
@@ -38,7 +36,7 @@ def _original() -> bytes:
 
 def _codec(tmp: Path) -> CodecModel:
     data = prepare_old_checkpoint_data(tmp)
-    loaded = load_model(CHECKPOINT, "cpu")
+    loaded = load_model(CHECKPOINT_DIR, "cpu")
     return load_codec(
         LoadedModel(loaded.model, loaded.checkpoint, {**loaded.meta, "data_dir": str(data)}, None)
     )

@@ -268,6 +268,21 @@ class TokenStream:
         return out
 
 
+def train_stream(
+    data: DataConfig, *, verify: bool | None = None, on_corrupt: Literal["error", "skip"] | None = None
+) -> TokenStream:
+    """The training split's stream as `data` describes it (its cap of unique tokens and which ones); `verify`
+    and `on_corrupt` override the config's (replay verifies always and reads around corrupt shards)."""
+    return TokenStream(
+        data.dir,
+        data.train_split,
+        data.verify if verify is None else verify,
+        data.max_unique_tokens,
+        on_corrupt=data.on_corrupt_shard if on_corrupt is None else on_corrupt,
+        sample=data.unique_sample,
+    )
+
+
 class TokenLoader:
     """Yields (inputs, targets) micro-batches of shape (micro_batch, seq_len) for one rank."""
 

@@ -19,7 +19,9 @@ clusters (torchft) are in tenx/parallel/replicas.py; replica consistency checks 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -135,18 +137,16 @@ def init_distributed(env: DistEnv, device: torch.device, cfg: ParallelConfig) ->
     return True
 
 
-_LEFT_GROUP = False  # this process joined (and has left) a torch.distributed process group
+_LEFT_GROUP = False  # this process took part in a torch.distributed process group (and has left it)
 
 
 def shutdown_distributed() -> None:
     """Leave the process group cleanly (a barrier first: FSDP2 otherwise sometimes aborts at exit)."""
-    global _LEFT_GROUP
     if dist.is_available() and dist.is_initialized():
-        _LEFT_GROUP = True
         try:
             dist.barrier()
         finally:
-            dist.destroy_process_group()
+            abandon_distributed()
 
 
 def abandon_distributed() -> None:
@@ -155,11 +155,6 @@ def abandon_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         _LEFT_GROUP = True
         dist.destroy_process_group()
-
-
-def left_process_group() -> bool:
-    """Whether this process took part in a process group (and so should end by `end_process`)."""
-    return _LEFT_GROUP
 
 
 def end_process(code: int) -> None:
@@ -174,9 +169,6 @@ def end_process(code: int) -> None:
     never joined a group returns normally."""
     if not _LEFT_GROUP:
         return
-    import logging
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

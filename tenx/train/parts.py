@@ -21,6 +21,7 @@ import torch
 
 from tenx import checkpoint as ckpt
 from tenx.data.loader import TokenLoader, TokenStream
+from tenx.data.loader import train_stream as data_train_stream
 from tenx.errors import ConfigError, TenxError
 from tenx.hardware import peak_flops, pick_device, resolve_precision, set_torch_threads, tune_cpu_allocator
 from tenx.model.config import ModelConfig
@@ -267,14 +268,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         check_float8_support(device)
 
     events = EventLog(rundir.root)
-    train_stream = TokenStream(
-        cfg.data.dir,
-        cfg.data.train_split,
-        cfg.data.verify,
-        cfg.data.max_unique_tokens,
-        on_corrupt=cfg.data.on_corrupt_shard,
-        sample=cfg.data.unique_sample,
-    )
+    train_stream = data_train_stream(cfg.data)
     manifest = train_stream.manifest
     # Replica groups (torchft, across clusters): each group reads its own share of every global batch.
     replicas: Any = None

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx import rundir as rd
-from tenx.data.loader import TokenLoader, TokenStream
+from tenx.data.loader import TokenLoader, train_stream
 from tenx.errors import CheckpointError, DataError, TenxError
 from tenx.hardware import float64_device, pick_device
 from tenx.model.transformer import Transformer
@@ -135,10 +135,7 @@ class Replayer:
                 f"{self.rundir.root}: the run used replica groups (parallel.replicas.mode="
                 f"{self.cfg.parallel.replicas.mode!r}); replay covers single-process, DDP and FSDP runs"
             )
-        data = self.cfg.data
-        self.stream = TokenStream(
-            data.dir, data.train_split, True, data.max_unique_tokens, "skip", data.unique_sample
-        )
+        self.stream = train_stream(self.cfg.data, verify=True, on_corrupt="skip")
         self.shape = shape = run_shape(
             self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size
         )
