@@ -67,11 +67,14 @@ MAX_GROUP = 256
 1 thread: 2,200 tokens/s one chunk at a time, 9,200 with 64; a 120 KB file of 134 chunks in one group
 instead of 64 + 64 + 6 compresses 1.2x and decompresses 1.4x faster). A file's chunks are split into
 equal groups (`_balanced`), so no short last group steps through every position for a few rows."""
-ENCODE_ROWS = 8
+ENCODE_ROWS = 16
 """Chunks the encoder runs through the model at once, every position together (attention scores of
 rows x heads x seq_len**2 float64 values)."""
 ENCODE_BLOCK = 64
 """Positions the encoder runs through the model at once, each block attending to the ones before it."""
+ENCODE_POSITIONS = 256
+"""Positions whose output layer and frequencies the encoder computes at once (two float64 arrays of
+positions x vocabulary)."""
 CACHE_BYTES = 1 << 30
 """Fewer chunks side by side where their key/value cache would exceed this (large models)."""
 _ESCAPED = re.compile("([\udc80-\udcff]+)")
@@ -264,6 +267,9 @@ def _code(
         known = None  # the encoder knows every token: all positions in one pass, the same bits (fixed.py)
         if not decoding and version != 1:
             known = _hidden_all(codec.fixed_weights(), tokens_N, first_R, int(length_R[0]), eot)
+            if head is None:
+                _encode_known(codec, known, tokens_N, first_R, length_R, coder)
+                continue
         elif version == 1:
             step: Any = FloatStepper(codec.model, rows)
         else:
@@ -296,6 +302,34 @@ def _code(
                 head.record(hidden, freqs, tokens_N[where])
                 if (s + 1) % head.settings.every == 0 or s + 1 == length_R[0]:
                     head.update()
+
+
+def _encode_known(
+    codec: CodecModel,
+    known_RLD: torch.Tensor,
+    tokens_N: np.ndarray,
+    first_R: np.ndarray,
+    length_R: np.ndarray,
+    coder: Any,
+) -> None:
+    """Encode one group whose final-norm outputs the encoder computed already: the output layer and the
+    frequencies of ENCODE_POSITIONS rows at a time (every active row of a run of positions, in the order the
+    decoder steps: position by position, rows in order), one `encode` call each. The same symbols, the same
+    frequencies (every output-layer sum is exact, every elementwise operation sees the same operands) and
+    the same order as coding position by position, so the same code; the decoder has no such shortcut."""
+    family = constriction.stream.model.Categorical(perfect=False)
+    vocab, eot, weights = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.fixed_weights()
+    rows = np.arange(len(first_R))
+    steps = int(length_R[0])
+    active = [rows[length_R > s] for s in range(steps)]  # every row but a shorter last chunk's, once past it
+    per_block = max(1, ENCODE_POSITIONS // len(first_R))
+    for s0 in range(0, steps, per_block):
+        span = range(s0, min(steps, s0 + per_block))
+        row_M = np.concatenate([active[s] for s in span])
+        step_M = np.concatenate([np.full(len(active[s]), s) for s in span])
+        hidden = known_RLD[torch.from_numpy(row_M), torch.from_numpy(step_M)]
+        freqs = fixed_frequencies(weights.head(hidden), vocab, eot)
+        coder.encode(tokens_N[first_R[row_M] + step_M].astype(np.int32), family, freqs)
 
 
 def _hidden_all(

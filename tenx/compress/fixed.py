@@ -52,6 +52,9 @@ WEIGHT_DEGREE = 7
 """det_exp's degree where its result becomes integers of at most 2**24 (attention weights, frequencies)."""
 EXP_LIMIT = 700.0
 """det_exp's argument is clamped to +-700 (exp(-700) is still a normal float64)."""
+FREQ_ROWS = 32
+"""Rows whose frequencies are computed at once: det_exp's ~25 elementwise passes stay in the CPU's cache
+(quickstart model, one thread, AMD EPYC: 27 us a row at 8-64 rows, 51 at 256, 66 at 1,024)."""
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _TWO_PI = 6.283185307179586
@@ -357,9 +360,12 @@ class FixedStepper:
 
 def fixed_frequencies(logits_RV: torch.Tensor, vocab: int, eot: int) -> np.ndarray:
     """Integer token frequencies floor(exp(z - max z) * 2**24) + 1 (end-of-document: 1) from the fixed
-    stepper's logits, as float64 (exact)."""
-    z = logits_RV[:, :vocab]
-    z = z - z.amax(dim=-1, keepdim=True)
-    freqs = det_exp(z, WEIGHT_DEGREE).mul_(float(2**FREQ_BITS)).floor_().add_(1.0)
-    freqs[:, eot] = 1.0
-    return freqs.cpu().numpy()
+    stepper's logits, as float64 (exact), FREQ_ROWS rows at a time (elementwise: the same bits)."""
+    parts = []
+    for logits in logits_RV.split(FREQ_ROWS):
+        z = logits[:, :vocab]
+        z = z - z.amax(dim=-1, keepdim=True)
+        freqs = det_exp(z, WEIGHT_DEGREE).mul_(float(2**FREQ_BITS)).floor_().add_(1.0)
+        freqs[:, eot] = 1.0
+        parts.append(freqs.cpu().numpy())
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
