@@ -7,7 +7,8 @@ end-of-document token, decoded by the run's tokenizer and encoded as UTF-8 (the 
 evaluated on; their total is checked against the split's byte count). Bits per byte is 8 x the compressed
 files' total size, headers included, over the documents' total size. Every round trip is verified, tenx's
 by decompressing with the model (as slow as compressing: the decoder runs the model once per token).
-Speed is input KB (1000 bytes) per second of coding, model loading excluded. Printed: a line per file,
+Speed is input KB (1000 bytes) per second of coding, model loading excluded; decompression is also timed
+for every file at once (`decompress_many`, the baseline: one file at a time). Printed: a line per file,
 the totals, and one JSON line last.
 
 With `--float32-baseline`, each file is also coded in format 1 (float32 kernels, the speed the portable
@@ -34,7 +35,7 @@ import numpy as np
 import zstandard
 
 from tenx import rundir
-from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
+from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, decompress_many, load_codec
 from tenx.compress.container import CodecAdaptation
 from tenx.data.loader import TokenStream
 from tenx.data.manifest import read_manifest
@@ -115,11 +116,13 @@ def main() -> None:
     sizes: dict[str, int] = {"tenx": 0, **({"adapt": 0} if args.adapt else {}), **dict.fromkeys(BASELINES, 0)}
     seconds = {"compress": 0.0, "decompress": 0.0, "adapt": 0.0, "float32": 0.0, "float32_decompress": 0.0}
     roundtrip_ok = True
+    blobs = []
     for name, doc in docs:
         started = time.perf_counter()
         blob = compress_bytes(codec, doc, threads=args.threads)
         coded = time.perf_counter()
         back = decompress_bytes(codec, blob)
+        blobs.append(blob)
         seconds["compress"] += coded - started
         seconds["decompress"] += time.perf_counter() - coded
         roundtrip_ok &= back == doc
@@ -145,6 +148,10 @@ def main() -> None:
             sizes[tool] += size
         bpbs = "  ".join(f"{tool} {8 * size / max(1, len(doc)):.3f}" for tool, size in row.items())
         print(f"  {name:60.60s} {len(doc):9,d} B  {bpbs}", flush=True)
+    started = time.perf_counter()
+    together = decompress_many(codec, blobs)
+    seconds["together"] = time.perf_counter() - started
+    roundtrip_ok &= together == [doc for _, doc in docs]
     total = sum(len(d) for _, d in docs)
     bpb = {tool: 8 * size / total if total else None for tool, size in sizes.items()}
     result: dict[str, Any] = {f"{tool}_bpb": value for tool, value in bpb.items()}
@@ -152,6 +159,7 @@ def main() -> None:
         ratio_vs_xz=bpb["tenx"] / bpb["xz"] if total else None,
         kb_per_s=total / 1000 / seconds["compress"] if seconds["compress"] else None,
         decompress_kb_per_s=total / 1000 / seconds["decompress"] if seconds["decompress"] else None,
+        decompress_together_kb_per_s=total / 1000 / seconds["together"] if seconds["together"] else None,
         adapt_vs_plain=bpb["adapt"] / bpb["tenx"] if args.adapt and total else None,
         float32_kb_per_s=total / 1000 / seconds["float32"] if seconds["float32"] else None,
         float32_decompress_kb_per_s=total / 1000 / seconds["float32_decompress"]
@@ -178,6 +186,11 @@ def main() -> None:
             f"tenx / xz = {result['ratio_vs_xz']:.3f} (below 1: tenx files are smaller); compress "
             f"{result['kb_per_s']:.1f} KB/s, decompress {result['decompress_kb_per_s']:.1f} KB/s; "
             f"round trips {'all exact' if roundtrip_ok else 'FAILED'}"
+        )
+        print(
+            f"decompressing every file together (decompress_many: small files share model steps): "
+            f"{result['decompress_together_kb_per_s']:.1f} KB/s, "
+            f"{result['decompress_together_kb_per_s'] / result['decompress_kb_per_s']:.2f}x one file at a time"
         )
         if args.float32_baseline:
             print(

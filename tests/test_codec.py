@@ -13,18 +13,12 @@ import torch
 
 from tenx.cli import main
 from tenx.compress import codec as codec_mod
-from tenx.compress.codec import (
-    _to_ids,
-    compress_bytes,
-    compress_file,
-    decompress_bytes,
-    decompress_file,
-    load_codec,
-    read_header,
-)
+from tenx.compress.codec import compress_bytes, decompress_bytes, load_codec, read_header
 from tenx.compress.container import HEADER_BYTES
+from tenx.compress.files import compress_file, decompress_file
 from tenx.compress.fixed import FixedStepper, FixedWeights, det_exp, det_log, det_sin_cos
 from tenx.compress.float32 import FloatStepper
+from tenx.compress.model import to_ids
 from tenx.data.loader import TokenStream
 from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.errors import TenxError
@@ -105,11 +99,11 @@ def test_adversarial_inputs_round_trip(name, which, codec, bpe_codec):
 
 def test_bpe_codes_text_as_text_and_other_bytes_as_byte_tokens(bpe_codec):
     text = b"def compress(data):\n    return data\n"
-    ids = _to_ids(bpe_codec, text)
+    ids = to_ids(bpe_codec, text)
     assert len(ids) < len(text)  # merged tokens, not one per byte
-    raw = _to_ids(bpe_codec, b"\xff\xfe")
+    raw = to_ids(bpe_codec, b"\xff\xfe")
     assert raw.tolist() == bpe_codec.byte_ids[[0xFF, 0xFE]].tolist()
-    assert bpe_codec.tokenizer.eot_id not in _to_ids(bpe_codec, b"<|endoftext|>").tolist()
+    assert bpe_codec.tokenizer.eot_id not in to_ids(bpe_codec, b"<|endoftext|>").tolist()
 
 
 @pytest.mark.parametrize(
@@ -167,7 +161,7 @@ def test_deterministic_functions_are_accurate():
 
 ENCODE = """
 import sys
-from tenx.compress.codec import compress_file, decompress_file
+from tenx.compress.files import compress_file, decompress_file
 import torch
 print(torch.backends.cpu.get_cpu_capability(), flush=True)
 run, src, dst, threads, mode = sys.argv[1:]
@@ -239,7 +233,7 @@ def test_a_files_chunks_are_coded_in_equal_groups(codec, tiny_data, monkeypatch)
     assert [codec_mod._balanced(n, 64) for n in (1, 64, 65, 134, 200)] == [1, 64, 33, 45, 50]
     assert codec_mod._balanced(134, 256) == 134
     data = b"".join(_heldout_documents(tiny_data))[:3000]
-    chunks = -(-len(codec_mod._to_ids(codec, data)) // codec.model.cfg.seq_len)
+    chunks = -(-len(codec_mod.to_ids(codec, data)) // codec.model.cfg.seq_len)
     assert chunks >= 7
     monkeypatch.setattr(codec_mod, "MAX_GROUP", chunks - 2)  # two groups: half and half
     blob = compress_bytes(codec, data)
@@ -383,3 +377,52 @@ def test_fuzz_random_bytes_round_trip(bpe_codec):
         assert decompress_bytes(bpe_codec, compress_bytes(bpe_codec, data)) == data
 
     round_trip()
+
+
+def test_many_files_decode_together_as_each_does_alone(codec, tiny_data, monkeypatch):
+    """decompress_many gives each file's original, whatever shares its model steps: files of one short
+    chunk, of several groups (decoded in order, never two of one file at once), stored, empty, format 1
+    and 3, and a damaged file among them, which fails alone, named, while the others still decode."""
+    docs = _heldout_documents(tiny_data)
+    data = b"".join(docs)
+    chunks = -(-len(codec_mod.to_ids(codec, data[:3000])) // codec.model.cfg.seq_len)
+    monkeypatch.setattr(codec_mod, "MAX_GROUP", chunks // 3)  # 3000 bytes: three groups or more
+    originals = [data[:3000], docs[0][:40], b"", RNG.bytes(300), docs[1][:700], *docs[2:5]]
+    blobs = [compress_bytes(codec, d) for d in originals]
+    assert read_header(blobs[0]).tokens > 2 * read_header(blobs[0]).group * read_header(blobs[0]).chunk
+    originals.append(docs[0][:500])
+    blobs.append(compress_bytes(codec, originals[-1], version=1))
+    originals.append(docs[1][:500])
+    blobs.append(compress_bytes(codec, originals[-1], adapt=codec_mod.CodecAdaptation()))
+    damaged = bytearray(compress_bytes(codec, docs[1][:900]))
+    damaged[-5] ^= 0x10
+    results = codec_mod.decompress_many(codec, [*blobs, bytes(damaged)], names=[*map(str, blobs), "bad.tenx"])
+    assert results[:-1] == originals
+    assert isinstance(results[-1], TenxError) and "bad.tenx" in str(results[-1])
+    assert [decompress_bytes(codec, b) for b in blobs] == originals
+    monkeypatch.setattr(codec_mod, "_group", lambda model: 1)  # one chunk a step: every file in turn
+    assert codec_mod.decompress_many(codec, blobs[:2]) == originals[:2]
+
+
+def test_cli_decompresses_several_files_and_writes_the_good_ones(run, tmp_path, capsys):
+    sources = {
+        name: f"print({i})\n".encode() * (5 + 40 * i) for i, name in enumerate(("a.py", "b.py", "c.py"))
+    }
+    for name, data in sources.items():
+        (tmp_path / name).write_bytes(data)
+    paths = [str(tmp_path / name) for name in sources]
+    assert main(["compress", str(run), *paths]) == 0
+    assert capsys.readouterr().out.count("compressed ") == 3
+    assert main(["compress", str(run), *paths, "-o", str(tmp_path / "x")]) == 2
+    assert "-o names one output" in capsys.readouterr().err
+    for name in sources:
+        (tmp_path / name).unlink()
+    damaged = bytearray((tmp_path / "b.py.tenx").read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / "b.py.tenx").write_bytes(damaged)
+    assert main(["decompress", str(run), *(p + ".tenx" for p in paths)]) == 2
+    captured = capsys.readouterr()
+    assert "2 of 3 files decompressed together" in captured.out and "b.py.tenx" in captured.err
+    assert not (tmp_path / "b.py").exists()
+    for name in ("a.py", "c.py"):
+        assert (tmp_path / name).read_bytes() == sources[name]

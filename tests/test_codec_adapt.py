@@ -17,8 +17,9 @@ import torch
 from tenx.cli import main
 from tenx.compress import codec as codec_mod
 from tenx.compress.adapt import E_BITS, AdaptiveHead
-from tenx.compress.codec import compress_bytes, decompress_bytes, decompress_file, load_codec
+from tenx.compress.codec import compress_bytes, decompress_bytes, load_codec
 from tenx.compress.container import HEADER, HEADER_BYTES, SETTINGS, CodecAdaptation, read_header
+from tenx.compress.files import decompress_file
 from tenx.compress.fixed import FixedStepper, fixed_frequencies, to_grid
 from tenx.data.prepare.sources import stdlib_dir
 from tenx.errors import TenxError
@@ -106,7 +107,7 @@ def test_an_update_over_too_many_tokens_is_refused(codec):
 
 ENCODE = """
 import sys
-from tenx.compress.codec import compress_file
+from tenx.compress.files import compress_file
 from tenx.compress.container import CodecAdaptation
 import torch
 print(torch.backends.cpu.get_cpu_capability(), flush=True)

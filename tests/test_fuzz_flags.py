@@ -100,7 +100,7 @@ class _Reached(Exception):
 @pytest.fixture(scope="module")
 def world(tiny_config, tiny_data, corpus_dir, tmp_path_factory):
     """What the subcommands need: a trained tiny run, its data, a ladder's results, a compressed file."""
-    from tenx.compress.codec import compress_file
+    from tenx.compress.files import compress_file
     from tenx.train.run import train
 
     root = tmp_path_factory.mktemp("fuzz")

@@ -257,7 +257,7 @@ def test_sample_threads_flag_sets_torchs_threads(monkeypatch, capsys):
 
 def test_compress_threads(monkeypatch):
     """compress keeps 1 thread by default (the count is part of the file's numerics), takes N or auto."""
-    from tenx.compress import codec
+    from tenx.compress import files
 
     seen: list[int] = []
 
@@ -265,7 +265,7 @@ def test_compress_threads(monkeypatch):
         seen.append(threads)
         return {"bits_per_byte": None, "kb_per_s": None, "src": src, "dst": dst, "bytes": 0, "adapt": adapt}
 
-    monkeypatch.setattr(codec, "compress_file", compress_file)
+    monkeypatch.setattr(files, "compress_file", compress_file)
     _contention(monkeypatch, 4, 1.0)
     for argv in ([], ["--threads", "3"], ["--threads", "auto"]):
         assert main(["compress", "RUN", "FILE", "--json", *argv]) == 0

@@ -14,31 +14,66 @@ SUFFIX = ".tenx"
 
 
 def cmd_compress(args: argparse.Namespace) -> None:
-    """Compress a file with a run's model; print bits per byte and speed."""
-    from tenx.compress.codec import compress_file
+    """Compress files with a run's model; print bits per byte and speed."""
+    from tenx.compress.files import compress_file
+    from tenx.compress.model import load_codec
     from tenx.hardware import choose_threads
 
-    out = args.out or args.file + SUFFIX
+    _one_output(args)
     threads = choose_threads(args.threads)
     adapt = CodecAdaptation(args.adapt_lr, args.adapt_every) if args.adapt else None
-    report = compress_file(
-        args.run_dir, args.file, out, args.force, threads=threads, device=args.device, adapt=adapt
-    )
-    _print(report, "compressed", args.json)
+    codec = load_codec(args.run_dir, args.device) if len(args.files) > 1 else args.run_dir
+    for file in args.files:
+        report = compress_file(
+            codec,
+            file,
+            args.out or file + SUFFIX,
+            args.force,
+            threads=threads,
+            device=args.device,
+            adapt=adapt,
+        )
+        _print(report, "compressed", args.json)
 
 
 def cmd_decompress(args: argparse.Namespace) -> None:
-    """Decompress a `.tenx` file with the run's model it was compressed with."""
-    from tenx.compress.codec import decompress_file
+    """Decompress `.tenx` files with the run's model they were compressed with (several: together)."""
+    from tenx.compress.files import decompress_file, decompress_files
     from tenx.errors import TenxError
 
-    out = args.out
-    if out is None:
-        if not args.file.endswith(SUFFIX) or args.file == SUFFIX:
-            raise TenxError(f"{args.file} does not end in {SUFFIX}: name the output with -o FILE")
-        out = args.file[: -len(SUFFIX)]
-    report = decompress_file(args.run_dir, args.file, out, args.force, args.max_bytes, device=args.device)
-    _print(report, "decompressed", args.json)
+    _one_output(args)
+    outs = []
+    for file in args.files:
+        if args.out is None and (not file.endswith(SUFFIX) or file == SUFFIX):
+            raise TenxError(f"{file} does not end in {SUFFIX}: name the output with -o FILE")
+        outs.append(args.out or file[: -len(SUFFIX)])
+    if len(args.files) == 1:
+        report = decompress_file(
+            args.run_dir, args.files[0], outs[0], args.force, args.max_bytes, args.device
+        )
+        _print(report, "decompressed", args.json)
+        return
+    pairs = list(zip(args.files, outs))
+    total = decompress_files(args.run_dir, pairs, args.force, args.max_bytes, args.device)
+    if args.json:
+        print(json.dumps(total, indent=2))
+    else:
+        for report in total["files"]:
+            _print(report, "decompressed", False)
+        speed = "n/a" if total["kb_per_s"] is None else f"{total['kb_per_s']:.1f}"
+        print(
+            f"{len(total['files'])} of {len(pairs)} files decompressed together: {total['bytes']:,} bytes, "
+            f"{speed} KB/s ({total['seconds']:.2f} s coding)"
+        )
+    if total["errors"]:
+        raise TenxError("; ".join(total["errors"]))
+
+
+def _one_output(args: argparse.Namespace) -> None:
+    from tenx.errors import TenxError
+
+    if args.out is not None and len(args.files) > 1:
+        raise TenxError(f"-o names one output but {len(args.files)} files were given: leave -o out")
 
 
 def _print(report: dict[str, Any], verb: str, as_json: bool) -> None:
@@ -60,7 +95,7 @@ def _common(p: argparse.ArgumentParser, file_help: str) -> None:
     p.add_argument(
         "run_dir", metavar="RUN_DIR", help="run directory (newest verified checkpoint) or checkpoint"
     )
-    p.add_argument("file", metavar="FILE", help=file_help)
+    p.add_argument("files", metavar="FILE", nargs="+", help=file_help)
     p.add_argument(
         "--force",
         action="store_true",
@@ -70,8 +105,8 @@ def _common(p: argparse.ArgumentParser, file_help: str) -> None:
 
 
 def _compress_arguments(p: argparse.ArgumentParser) -> None:
-    _common(p, "the file to compress (any bytes)")
-    p.add_argument("-o", "--out", help=f"the compressed file (default FILE{SUFFIX})")
+    _common(p, "the files to compress (any bytes), each into its own FILE.tenx")
+    p.add_argument("-o", "--out", help=f"the compressed file, with one FILE (default FILE{SUFFIX})")
     add_threads_argument(
         p,
         "torch threads while coding, recorded in the file: decompression uses as many (default 1, the most "
@@ -102,8 +137,10 @@ def _compress_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _decompress_arguments(p: argparse.ArgumentParser) -> None:
-    _common(p, f"the {SUFFIX} file to decompress")
-    p.add_argument("-o", "--out", help=f"the decompressed file (default FILE without {SUFFIX})")
+    _common(p, f"the {SUFFIX} files to decompress (several: decoded together, faster for small files)")
+    p.add_argument(
+        "-o", "--out", help=f"the decompressed file, with one FILE (default FILE without {SUFFIX})"
+    )
     p.add_argument(
         "--max-bytes",
         type=at_least(int, 0),

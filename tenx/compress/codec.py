@@ -1,18 +1,20 @@
 """Lossless compression with a trained model: range coding driven by its next-token probabilities.
 
-`compress_bytes` turns any bytes into a `.tenx` blob and `decompress_bytes` gives back exactly those bytes
-(`tenx compress` / `tenx decompress` wrap the file versions).
+`compress_bytes` turns any bytes into a `.tenx` blob and `decompress_bytes` gives back exactly those bytes;
+`decompress_many` decodes many blobs together (tenx/compress/files.py has the file versions that
+`tenx compress` / `tenx decompress` run).
 
 Any bytes round-trip. The input becomes token ids whose byte strings, looked up in the tokenizer's
-token-to-bytes table, concatenate to exactly the input: the byte tokenizer maps each byte to its id; with a
-byte-level BPE each maximal run of valid UTF-8 is encoded as text, and each byte that is not valid UTF-8 (and
-any run whose BPE ids do not spell it back byte for byte, checked here) becomes the single-byte token every
-byte-level BPE holds. Decompression joins the table's byte strings: it never decodes text, so binary data,
-NUL bytes and invalid UTF-8 come back unchanged. The end-of-document token is never coded (the header holds
-the token count), so its probability is given to the other tokens.
+token-to-bytes table, concatenate to exactly the input (tenx/compress/model.py: `to_ids`, `spell`);
+decompression joins the table's byte strings and never decodes text, so binary data, NUL bytes and invalid
+UTF-8 come back unchanged. The end-of-document token is never coded (the header holds the token count), so
+its probability is given to the other tokens.
 
-Both sides compute bit-identical probabilities because they run one function, `_code`, on the same inputs.
-The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
+Both sides compute bit-identical probabilities: format versions 1 and 3 run one function, `_code`, on the
+same inputs; version 2's arithmetic is exact and per row (fixed.py), so its encoder computes every
+position's output layer at once (`_encode_known`) and its decoder steps the chunks of several files side by
+side (`_decode_jointly`), with the same bits as `_code` would give (the golden files of
+tests/test_codec_golden.py hold both to it). The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
 conditioned on the end-of-document token, as documents start in training); up to MAX_GROUP chunks go through
 the model together, one position per step, with a key/value cache. Step s feeds every chunk's token s-1
 (known to the encoder, just decoded by the decoder). The logits come from `FixedStepper`
@@ -27,12 +29,9 @@ decoding (`fewest_bits` against `code_bits`) and the information decoded against
 
 from __future__ import annotations
 
-import json
-import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,7 +39,6 @@ import constriction
 import numpy as np
 import torch
 
-from tenx import checkpoint as ckpt
 from tenx.compress.adapt import AdaptiveHead
 from tenx.compress.container import (
     ADAPTIVE_VERSION,
@@ -53,14 +51,14 @@ from tenx.compress.container import (
 )
 from tenx.compress.fixed import FixedStepper, FixedWeights, fixed_frequencies
 from tenx.compress.float32 import FREQ_SCALE, FloatStepper, float_frequencies
-from tenx.data.manifest import read_manifest
-from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
-from tenx.errors import DataError, TenxError
-from tenx.eval.load import LoadedModel, load_model
+from tenx.compress.model import CodecModel, load_codec, spell, to_ids
+from tenx.errors import TenxError
+from tenx.eval.load import LoadedModel
 from tenx.model.transformer import Block, Transformer
 from tenx.rundir import step_dir_name
 from tenx.utils.cli import counted
-from tenx.utils.io import atomic_write_bytes, check_output_file, file_xxhash
+
+__all__ = ["CodecModel", "compress_bytes", "decompress_bytes", "decompress_many", "load_codec", "to_ids"]
 
 MAX_GROUP = 256
 """Chunks coded side by side: one forward step serves this many tokens (measured on the quickstart model,
@@ -77,137 +75,6 @@ ENCODE_POSITIONS = 256
 positions x vocabulary)."""
 CACHE_BYTES = 1 << 30
 """Fewer chunks side by side where their key/value cache would exceed this (large models)."""
-_ESCAPED = re.compile("([\udc80-\udcff]+)")
-"""Runs of bytes that are not UTF-8, as decode(errors="surrogateescape") spells them."""
-
-
-@dataclass
-class CodecModel:
-    """A model and its tokenizer ready to code: the token-to-bytes table and both identities."""
-
-    model: Transformer
-    tokenizer: Tokenizer
-    checkpoint: Path
-    data_dir: Path
-    """The prepared data directory the model was trained on (its tokenizer's)."""
-    step: int
-    table: list[bytes | None]
-    """Bytes of each coding id (None: an id no input is coded with, e.g. end-of-document)."""
-    byte_ids: np.ndarray
-    """The id of each single byte 0..255."""
-    model_hash: str
-    """xxh3-64 of the checkpoint's manifest file: its identity."""
-    tokenizer_hash: str
-    _fixed: FixedWeights | None = None
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model runs."""
-        return next(self.model.parameters()).device
-
-    def fixed_weights(self) -> FixedWeights:
-        """The model's weights on the fixed-point grid (built on first use)."""
-        if self._fixed is None:
-            self._fixed = FixedWeights(self.model, self.device)
-        return self._fixed
-
-
-def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu") -> CodecModel:
-    """The model of a run or checkpoint directory (or one loaded already) with what coding needs."""
-    if isinstance(target, CodecModel):
-        return target
-    loaded = target if isinstance(target, LoadedModel) else load_model(target, device)
-    if loaded.model.cfg.vocab_size is None:
-        raise TenxError(f"checkpoint {loaded.checkpoint}: its model has no vocabulary size")
-    entry = read_manifest(loaded.data_dir)["tokenizer"]
-    tokenizer = load_tokenizer(loaded.data_dir, entry)
-    trained = loaded.meta.get("data_tokenizer")
-    if isinstance(trained, dict) and trained.get("xxhash") not in (None, entry["xxhash"]):
-        raise DataError(
-            f"{loaded.data_dir}: its tokenizer (xxhash {entry['xxhash']}) is not the one checkpoint "
-            f"{loaded.checkpoint} was trained with (xxhash {trained['xxhash']})"
-        )
-    if tokenizer.vocab_size > loaded.model.cfg.vocab_size:
-        raise DataError(
-            f"{loaded.data_dir}: its tokenizer has {tokenizer.vocab_size} tokens but the model of "
-            f"{loaded.checkpoint} has {loaded.model.cfg.vocab_size}: not the data the run was trained on"
-        )
-    table = _token_bytes(tokenizer)
-    byte_ids = np.full(256, -1, dtype=np.int64)
-    for i, spelled in enumerate(table):
-        if spelled is not None and len(spelled) == 1 and byte_ids[spelled[0]] < 0:
-            byte_ids[spelled[0]] = i
-    if (byte_ids < 0).any():
-        missing = ", ".join(f"0x{b:02x}" for b in np.flatnonzero(byte_ids < 0)[:8])
-        raise TenxError(
-            f"tokenizer of {loaded.data_dir} has no token for byte(s) {missing}: it cannot code any bytes"
-        )
-    return CodecModel(
-        model=loaded.model,
-        tokenizer=tokenizer,
-        checkpoint=loaded.checkpoint,
-        data_dir=loaded.data_dir,
-        step=int(loaded.meta["step"]),
-        table=table,
-        byte_ids=byte_ids,
-        model_hash=file_xxhash(loaded.checkpoint / ckpt.MANIFEST),
-        tokenizer_hash=str(entry["xxhash"]),
-    )
-
-
-def _byte_level_chars() -> list[str]:
-    """The character byte-level BPE spells each byte with (GPT-2's table: printable Latin-1 bytes stand for
-    themselves, the others take the code points from 256 up, in byte order)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
-    chars, shifted = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + shifted))
-            shifted += 1
-    return chars
-
-
-def _token_bytes(tokenizer: Tokenizer) -> list[bytes | None]:
-    """The bytes each id stands for; None for the end-of-document id (and BPE tokens outside the byte
-    alphabet, which no input is coded with)."""
-    table: list[bytes | None] = [None] * tokenizer.vocab_size
-    if not isinstance(tokenizer, BPETokenizer):
-        table[:256] = [bytes([b]) for b in range(256)]
-        return table
-    byte_of = {c: b for b, c in enumerate(_byte_level_chars())}
-    vocab = json.loads(tokenizer.to_json())["model"]["vocab"]
-    for token, i in vocab.items():
-        if 0 <= i < len(table) and i != tokenizer.eot_id and token and all(c in byte_of for c in token):
-            table[i] = bytes(byte_of[c] for c in token)
-    return table
-
-
-def _spell(codec: CodecModel, ids: np.ndarray | list[int]) -> bytes | None:
-    """The bytes of `ids`, or None if one of them stands for no bytes."""
-    table, listed = codec.table, ids.tolist() if isinstance(ids, np.ndarray) else ids
-    try:
-        return b"".join([table[i] for i in listed])  # type: ignore[misc]
-    except TypeError:
-        return None
-
-
-def _to_ids(codec: CodecModel, data: bytes) -> np.ndarray:
-    """Coding ids whose bytes concatenate to exactly `data` (see the module docstring)."""
-    if not isinstance(codec.tokenizer, BPETokenizer):
-        return codec.byte_ids[np.frombuffer(data, dtype=np.uint8)]
-    pieces = _ESCAPED.split(data.decode("utf-8", errors="surrogateescape"))
-    encoded = iter(codec.tokenizer.encode_batch(pieces[0::2]))  # even pieces are text, odd ones raw bytes
-    parts = []
-    for i, piece in enumerate(pieces):
-        raw = piece.encode("utf-8", errors="surrogateescape")
-        ids = next(encoded) if i % 2 == 0 else None
-        if ids is not None and _spell(codec, ids) == raw:
-            parts.append(np.asarray(ids, dtype=np.int64))
-        else:
-            parts.append(codec.byte_ids[np.frombuffer(raw, dtype=np.uint8)])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _most_likely(vocab: int) -> float:
@@ -302,6 +169,91 @@ def _code(
                 head.record(hidden, freqs, tokens_N[where])
                 if (s + 1) % head.settings.every == 0 or s + 1 == length_R[0]:
                     head.update()
+
+
+@dataclass
+class _Stream:
+    """A format-2 file being decoded side by side with others (`_decode_jointly`)."""
+
+    name: str
+    header: Header
+    blob: bytes
+    tokens: np.ndarray = field(init=False)
+    decoder: Any = field(init=False)
+    spent: float = 0.0
+    """Bits of information decoded so far, against the body's `code_bits`."""
+    done: int = 0
+    """Tokens decoded so far."""
+    error: TenxError | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = np.zeros(self.header.tokens, dtype=np.int64)
+        self.decoder = constriction.stream.queue.RangeDecoder(_body(self.blob, self.header))
+
+    def groups(self) -> list[np.ndarray]:
+        """The first token of each chunk, group by group, as the encoder coded them."""
+        starts = np.arange(0, self.header.tokens, self.header.chunk)
+        return [starts[g : g + self.header.group] for g in range(0, len(starts), self.header.group)]
+
+
+@torch.inference_mode()
+def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
+    """Fill each stream's tokens from its code, the groups of several files side by side in one model step
+    (at most `_group(model)` chunks; a file's groups in order, never two of one file at once, the largest
+    files first so that small files share steps). A row's logits depend on its own tokens only (every sum
+    is exact, every other operation elementwise or within the row), so each file decodes as if alone. A
+    stream whose code is exhausted or undecodable gets its `error` and is skipped from then on."""
+    family = constriction.stream.model.Categorical(perfect=False)
+    vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec.model)
+    pending = {i: stream.groups() for i, stream in enumerate(streams)}
+    order = sorted(pending, key=lambda i: -streams[i].header.tokens)
+    threads = max([s.header.threads for s in streams], default=1)
+    while any(pending.values()):
+        batch: list[tuple[_Stream, np.ndarray]] = []
+        rows = 0
+        for i in order:
+            if streams[i].error is not None:
+                pending[i] = []  # a failed file's later groups are not decoded
+            elif pending[i] and (not batch or rows + len(pending[i][0]) <= limit):
+                batch.append((streams[i], pending[i].pop(0)))
+                rows += len(batch[-1][1])
+        if not batch:
+            break
+        length_R = np.concatenate([np.minimum(st.header.chunk, st.header.tokens - f) for st, f in batch])
+        step = FixedStepper(codec.fixed_weights(), rows)
+        inputs_R = torch.full((rows,), eot, dtype=torch.long)
+        with _fixed_numerics(threads):
+            for s in range(int(length_R.max())):
+                if all(stream.error is not None for stream, _ in batch):
+                    break
+                live = np.flatnonzero(length_R > s)  # each file's live rows: a prefix of its own
+                freqs = fixed_frequencies(step(inputs_R.to(codec.device), s)[live], vocab, eot)
+                row = cursor = 0
+                for stream, first in batch:
+                    active = int(np.count_nonzero(length_R[row : row + len(first)] > s))
+                    where = first[:active] + s
+                    if active and stream.error is None:
+                        _decode_step(stream, where, freqs[cursor : cursor + active], family, vocab)
+                        inputs_R[row : row + active] = torch.from_numpy(stream.tokens[where])
+                    row, cursor = row + len(first), cursor + active
+
+
+def _decode_step(stream: _Stream, where: np.ndarray, freqs: np.ndarray, family: Any, vocab: int) -> None:
+    """One position of a stream's active chunks; on failure the stream's error is set (see `_code`)."""
+    try:
+        stream.tokens[where] = stream.decoder.decode(family, freqs)
+    except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
+        stream.error = _undecodable(stream.name, e)
+        return
+    stream.spent += _information(freqs, stream.tokens[where], vocab)
+    stream.done += len(where)
+    budget = code_bits(stream.header.words)
+    if stream.spent > budget:
+        stream.error = TenxError(
+            f"{stream.name}: its code ran out after {stream.done:,} of the {stream.header.tokens:,} tokens "
+            f"its header claims ({stream.spent:,.0f} bits decoded from a body that holds at most "
+            f"{budget:,.0f}): the file is corrupt or forged"
+        )
 
 
 def _encode_known(
@@ -415,7 +367,7 @@ def compress_bytes(
     codec = load_codec(model)
     if codec.device.type not in DEVICES:
         raise TenxError(f"compression runs on {' or '.join(DEVICES)}, not {codec.device.type}")
-    tokens = _to_ids(codec, data)
+    tokens = to_ids(codec, data)
     chunk = codec.model.cfg.seq_len
     group = _balanced(-(-len(tokens) // chunk), _group(codec.model))
     encoder = constriction.stream.queue.RangeEncoder()
@@ -460,6 +412,75 @@ def decompress_bytes(
     """The original bytes of a `.tenx` blob, decoded with the model that compressed it (a run or checkpoint
     directory, or one loaded already); a TenxError for another model or tokenizer, a damaged blob, or one
     that claims an original above `max_bytes` or more threads than MAX_THREADS."""
+    header, codec = _opened(model, blob, name, max_bytes)
+    if header.stored:
+        return _verified(codec, header, blob[header.size :], name)
+    if header.version == VERSION:
+        stream = _Stream(name, header, blob)
+        _decode_jointly(codec, [stream])
+        if stream.error is not None:
+            raise stream.error
+        return _verified(codec, header, spell(codec, stream.tokens), name)
+    tokens = np.zeros(header.tokens, dtype=np.int64)
+    decoder = constriction.stream.queue.RangeDecoder(_body(blob, header))
+    budget = code_bits(header.words)
+    try:
+        with _fixed_numerics(header.threads):
+            _code(
+                codec, tokens, header.chunk, header.group, decoder, True, budget, header.version, header.adapt
+            )
+    except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
+        raise _undecodable(name, e) from None
+    except TenxError as e:
+        raise TenxError(f"{name}: {e}") from None
+    return _verified(codec, header, spell(codec, tokens), name)
+
+
+def decompress_many(
+    model: CodecModel | LoadedModel | str | Path,
+    blobs: list[bytes],
+    *,
+    names: list[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+) -> list[bytes | TenxError]:
+    """The original bytes of each `.tenx` blob, or the TenxError that blob raised (a damaged file does not
+    stop the others): what `decompress_bytes` gives for each, faster for many small files. Format-2 files
+    are decoded together, the chunks of several files side by side in one model step (`_decode_jointly`:
+    each file's probabilities are those it was coded with, since every row's arithmetic is exact and its
+    own); stored files and other formats one by one."""
+    names = names if names is not None else [f"input {i}" for i in range(len(blobs))]
+    if len(names) != len(blobs):
+        raise ValueError(f"{len(blobs)} blobs but {len(names)} names")
+    codec = load_codec(model)
+    results: list[bytes | TenxError] = []
+    streams: dict[int, _Stream] = {}
+    for i, (blob, name) in enumerate(zip(blobs, names)):
+        try:
+            header = read_header(blob, name)
+            if header.version != VERSION or header.stored:
+                results.append(decompress_bytes(codec, blob, name=name, max_bytes=max_bytes))
+                continue
+            _opened(codec, blob, name, max_bytes)
+            streams[i] = _Stream(name, header, blob)
+            results.append(b"")
+        except TenxError as e:
+            results.append(e)
+    _decode_jointly(codec, list(streams.values()))
+    for i, stream in streams.items():
+        try:
+            if stream.error is not None:
+                raise stream.error
+            results[i] = _verified(codec, stream.header, spell(codec, stream.tokens), stream.name)
+        except TenxError as e:
+            results[i] = e
+    return results
+
+
+def _opened(
+    model: CodecModel | LoadedModel | str | Path, blob: bytes, name: str, max_bytes: int
+) -> tuple[Header, CodecModel]:
+    """The header of `blob` and the model to decode it with, once both are checked: the claimed size and
+    threads, the model's and tokenizer's identities, and (a coded body) its chunks and its bits."""
     header = read_header(blob, name)
     if header.length > max_bytes:
         raise TenxError(
@@ -480,9 +501,7 @@ def decompress_bytes(
             "Decompress with the checkpoint that compressed it (its directory: RUN_DIR/checkpoints/"
             f"{step_dir_name(header.step)})"
         )
-    if header.stored:
-        data: bytes | None = blob[header.size :]
-    else:
+    if not header.stored:
         if header.chunk > codec.model.cfg.seq_len or header.group > MAX_GROUP:
             raise TenxError(f"{name} is corrupt: chunks of {header.chunk} tokens in groups of {header.group}")
         budget, needed = code_bits(header.words), fewest_bits(header.tokens, codec.tokenizer.vocab_size)
@@ -492,107 +511,22 @@ def decompress_bytes(
                 f"least {needed:,.0f} bits, but its body of {counted(header.words, 'word')} holds at most "
                 f"{budget:,.0f}"
             )
-        tokens = np.zeros(header.tokens, dtype=np.int64)
-        words = np.frombuffer(blob, dtype="<u4", offset=header.size).astype(np.uint32)
-        decoder = constriction.stream.queue.RangeDecoder(words)
-        try:
-            with _fixed_numerics(header.threads):
-                _code(
-                    codec,
-                    tokens,
-                    header.chunk,
-                    header.group,
-                    decoder,
-                    True,
-                    budget,
-                    version=header.version,
-                    adapt=header.adapt,
-                )
-        except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
-            raise TenxError(f"{name} cannot be decoded with this model ({e})") from None
-        except TenxError as e:
-            raise TenxError(f"{name}: {e}") from None
-        data = _spell(codec, tokens)
+    return header, codec
+
+
+def _body(blob: bytes, header: Header) -> np.ndarray:
+    return np.frombuffer(blob, dtype="<u4", offset=header.size).astype(np.uint32)
+
+
+def _undecodable(name: str, e: Exception) -> TenxError:
+    return TenxError(f"{name} cannot be decoded with this model ({e})")
+
+
+def _verified(codec: CodecModel, header: Header, data: bytes | None, name: str) -> bytes:
+    """`data` if it is the original the header describes (length and xxhash), else a TenxError."""
     if data is None or len(data) != header.length or _digest(data) != header.data_hash:
         raise TenxError(
             f"{name}: the decoded bytes do not match the original's xxhash, so nothing was written; the "
             "probabilities differed from compression's (another CPU type or torch build?)"
         )
     return data
-
-
-def compress_file(
-    run: CodecModel | LoadedModel | str | Path,
-    src: str | Path,
-    dst: str | Path,
-    force: bool = False,
-    *,
-    threads: int = 1,
-    device: str = "cpu",
-    adapt: CodecAdaptation | None = None,
-) -> dict[str, Any]:
-    """Compress file `src` into `dst` (atomically; an existing `dst` only with `force`) and report the
-    figures: bits per byte of the whole `.tenx` file, coding speed in KB/s (1 KB = 1000 bytes of input).
-    `adapt`: the output layer learns as it codes (compress_bytes)."""
-    data = _read(src, dst, force)
-    started = time.perf_counter()
-    codec = load_codec(run, device)
-    loaded = time.perf_counter()
-    blob = compress_bytes(codec, data, threads=threads, adapt=adapt)
-    coded = time.perf_counter()
-    atomic_write_bytes(dst, blob)
-    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded, adapt)
-
-
-def decompress_file(
-    run: CodecModel | LoadedModel | str | Path,
-    src: str | Path,
-    dst: str | Path,
-    force: bool = False,
-    max_bytes: int = MAX_BYTES,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """Decompress `.tenx` file `src` into `dst` (written atomically after its xxhash matched; an existing
-    `dst` only with `force`) on `device` (a version-1 file: where it was compressed) and report the
-    figures, as compress_file does."""
-    blob = _read(src, dst, force)
-    started = time.perf_counter()
-    header = read_header(blob, str(src))
-    codec = load_codec(run, header.device if header.version == 1 else device)
-    loaded = time.perf_counter()
-    data = decompress_bytes(codec, blob, name=str(src), max_bytes=max_bytes)
-    coded = time.perf_counter()
-    atomic_write_bytes(dst, data)
-    return _report(src, dst, len(data), len(blob), loaded - started, coded - loaded, header.adapt)
-
-
-def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
-    """`src`'s bytes, once `dst` is known to be a file this command may write: not a directory, not `src`
-    itself (even with `force`), and an existing file only with `force`."""
-    check_output_file(dst, force=force, inputs=(src,))
-    try:
-        return Path(src).read_bytes()
-    except OSError as e:
-        raise TenxError(f"cannot read {src}: {e.strerror or e}") from None
-
-
-def _report(
-    src: str | Path,
-    dst: str | Path,
-    raw: int,
-    packed: int,
-    load_s: float,
-    code_s: float,
-    adapt: CodecAdaptation | None,
-) -> dict[str, Any]:
-    return {
-        "src": str(src),
-        "dst": str(dst),
-        "bytes": raw,
-        "compressed_bytes": packed,
-        "bits_per_byte": 8 * packed / raw if raw else None,
-        "kb_per_s": raw / 1000 / code_s if code_s > 0 else None,
-        "seconds": code_s,
-        "load_seconds": load_s,
-        "adapt": None if adapt is None else {"lr": adapt.lr, "every": adapt.every},
-    }
