@@ -227,7 +227,8 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
                 if all(stream.error is not None for stream, _ in batch):
                     break
                 live = np.flatnonzero(length_R > s)  # each file's live rows: a prefix of its own
-                freqs = fixed_frequencies(step(inputs_R.to(codec.device), s)[live], vocab, eot)
+                hidden = step.hidden(inputs_R.to(codec.device), s)[torch.from_numpy(live).to(codec.device)]
+                freqs = fixed_frequencies(codec.fixed_weights().head(hidden), vocab, eot)
                 row = cursor = 0
                 for stream, first in batch:
                     active = int(np.count_nonzero(length_R[row : row + len(first)] > s))
