@@ -322,6 +322,16 @@ def check_compress(ctx: Context) -> None:
         raise CheckFailed("decompressed bytes differ from the original")
     if packed.stat().st_size >= original.stat().st_size:
         raise CheckFailed(f"{packed.stat().st_size} compressed bytes for {original.stat().st_size}")
+    # several files decoded together on the device, each as the CPU encoder wrote it
+    sources = {ctx.work / f"many{i}.py": original.read_bytes()[: 300 + 1500 * i] for i in range(3)}
+    for path, data in sources.items():
+        path.write_bytes(data)
+    ctx.tenx("compress", "compress", run, *map(str, sources))
+    for path in sources:
+        path.unlink()
+    ctx.tenx("decompress", "decompress", run, *(f"{p}.tenx" for p in sources), "--device", ctx.device.type)
+    if any(path.read_bytes() != data for path, data in sources.items()):
+        raise CheckFailed("files decompressed together differ from their originals")
 
 
 def check_export(ctx: Context) -> None:
