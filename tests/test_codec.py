@@ -16,7 +16,7 @@ from tenx.compress import codec as codec_mod
 from tenx.compress.codec import compress_bytes, decompress_bytes, load_codec, read_header
 from tenx.compress.container import HEADER_BYTES
 from tenx.compress.files import compress_file, decompress_file
-from tenx.compress.fixed import FixedStepper, FixedWeights, det_exp, det_log, det_sin_cos
+from tenx.compress.fixed import FixedStepper, FixedWeights, GridLinear, det_exp, det_log, det_sin_cos
 from tenx.compress.float32 import FloatStepper
 from tenx.compress.model import to_ids
 from tenx.data.loader import TokenStream
@@ -125,7 +125,8 @@ def test_cached_steps_compute_the_models_logits(overrides):
     [{"family": "llama", "n_kv_heads": 1}, {"family": "llama", "qk_norm": True}, {"family": "gpt2"}],
     ids=["rope-gqa", "qk-norm", "learned"],
 )
-def test_the_fixed_point_steps_compute_the_models_logits(overrides):
+@pytest.mark.parametrize("bits", [15, 7], ids=["v2-grid", "v4-int8"])
+def test_the_fixed_point_steps_compute_the_models_logits(overrides, bits):
     torch.manual_seed(0)
     cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=32, **overrides).resolved(100)
     model = Transformer(cfg).eval()
@@ -133,18 +134,39 @@ def test_the_fixed_point_steps_compute_the_models_logits(overrides):
         p.data.add_(torch.randn_like(p) * 0.05)
     tokens_BT = torch.randint(0, 100, (3, cfg.seq_len))
     with torch.inference_mode():
-        step = FixedStepper(FixedWeights(model, torch.device("cpu")), 3)
+        weights = FixedWeights(model, torch.device("cpu"), bits)
+        step = FixedStepper(weights, 3)
         fixed = torch.stack([step(tokens_BT[:, t], t) for t in range(cfg.seq_len)], dim=1)
-        torch.testing.assert_close(fixed, model(tokens_BT).double(), atol=2e-3, rtol=2e-3)
+        tolerance = 2e-3 if bits == 15 else 0.1  # 7-bit linear layers: ~1% of each product's scale
+        torch.testing.assert_close(fixed, model(tokens_BT).double(), atol=tolerance, rtol=tolerance)
         # The encoder's one pass over every position gives the same bits as stepping (and a chunk shorter
         # than seq_len too): that is what lets it skip the decoder's loop.
-        weights = FixedWeights(model, torch.device("cpu"))
         for length in (cfg.seq_len, 7):
             stepped = torch.stack([step.hidden(tokens_BT[:, t], t) for t in range(length)], dim=1)
             at_once = FixedStepper(weights, 3).hidden_all(tokens_BT[:, :length])
             assert torch.equal(at_once, stepped)
             for block in (1, 5, 8):  # blocks of positions, each attending to the ones before it: same bits
                 assert torch.equal(FixedStepper(weights, 3).hidden_all(tokens_BT[:, :length], block), stepped)
+
+
+def test_int8_products_are_the_float64_products_of_the_same_integers():
+    """Format 4's linear layers: `torch._int_mm` on int8 gives exactly the float64 product of the clamped
+    7-bit grid integers (what a GPU or a torch without int8 kernels computes), for any rows, including a
+    row whose peak rounds to 128 (clamped to 127) and a layer with a bias; the grid stays within int8."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        layer.weight[3, 5] = 0.25 * 0.999  # the row's peak: 127.87 on the 7-bit grid, rounds to 128
+    fast = GridLinear.of(layer, torch.device("cpu"), 7)
+    assert fast.q8_IO is not None, "this torch has no CPU int8 products"
+    slow = GridLinear(fast.q_IO, fast.scale_O, fast.bias_O, 7)
+    assert float(fast.q_IO.abs().max()) == 127.0 and int(fast.q8_IO.abs().max()) == 127
+    x = torch.randn(5, 7, 96, dtype=torch.float64) * 3
+    x[0, 0] = x[0, 0].clamp(-3.9, 3.9)
+    x[0, 0, 0] = 4 * 0.9995  # a peak at 127.94 of the grid
+    for rows in (x, x[:1, :1], x[0]):
+        assert torch.equal(fast(rows), slow(rows))
+    torch.testing.assert_close(fast(x), layer(x.float()).double(), atol=0.1, rtol=0.05)  # outputs ~1.7
 
 
 def test_deterministic_functions_are_accurate():
@@ -192,7 +214,7 @@ def test_a_file_decodes_under_other_kernels_and_thread_counts(run, tmp_path):
         return done.stdout.strip()
 
     assert child(str(src), str(tmp_path / "a.tenx"), "1", "compress") == "DEFAULT"
-    assert read_header((tmp_path / "a.tenx").read_bytes()).version == 2
+    assert read_header((tmp_path / "a.tenx").read_bytes()).version == 4  # int8 products under default kernels
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

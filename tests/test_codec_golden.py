@@ -1,8 +1,8 @@
 """.tenx files written on another machine, by the code of an earlier commit, decode here and are written again
 byte for byte.
 
-`tests/fixtures/codec_golden/` holds files that `tenx compress` (format 2) and `tenx compress --adapt`
-(format 3) wrote of `_original()` with the model of tests/fixtures/old_main_checkpoint (a depth-1 byte
+`tests/fixtures/codec_golden/` holds files that `tenx compress` (format 4, and format 2 before it) and
+`tenx compress --adapt` (format 3) wrote of `_original()` with the model of tests/fixtures/old_main_checkpoint (a depth-1 byte
 model; its data is regenerated as tests/test_resume_old_checkpoint.py does), on one thread of an AMD EPYC
 with AVX-512 (see `cpu_kind.txt`). Where CI runs on another CPU kind (AVX2, Intel), this is the issue's
 "compressed on one machine, decoded on another" for real, beside test_codec.py's emulation of other kernels
@@ -47,15 +47,20 @@ def codec(tmp_path_factory) -> CodecModel:
     return _codec(tmp_path_factory.mktemp("golden"))
 
 
-@pytest.mark.parametrize("name", ["plain.tenx", "adapt.tenx"])
+FILES = {"plain.tenx": (2, {"version": 2}), "adapt.tenx": (3, {"adapt": ADAPT}), "int8.tenx": (4, {})}
+"""Each golden file: its format version and how `compress_bytes` writes it."""
+
+
+@pytest.mark.parametrize("name", FILES)
 def test_files_from_another_machine_decode_and_are_written_again_bit_for_bit(codec, name):
     blob = (GOLDEN / name).read_bytes()
     original = _original()
     header = read_header(blob)
-    assert header.version == (3 if name == "adapt.tenx" else 2)
+    version, how = FILES[name]
+    assert header.version == version
     assert header.length == len(original) and header.threads == 1
     assert decompress_bytes(codec, blob) == original
-    again = compress_bytes(codec, original, adapt=ADAPT if name == "adapt.tenx" else None)
+    again = compress_bytes(codec, original, **how)
     recorded = (GOLDEN / "cpu_kind.txt").read_text().strip()
     assert again == blob, (
         f"written on {recorded!r}, this machine is {_cpu_kind()!r}: the encoder's bits moved"
@@ -65,7 +70,7 @@ def test_files_from_another_machine_decode_and_are_written_again_bit_for_bit(cod
 def test_the_golden_files_compress():
     """They hold code, not a stored copy: the model's code is shorter than the input."""
     original = _original()
-    for name in ("plain.tenx", "adapt.tenx"):
+    for name in FILES:
         assert len((GOLDEN / name).read_bytes()) < 0.95 * len(original)
 
 
@@ -75,7 +80,7 @@ if __name__ == "__main__":  # regenerate the fixtures (only when the format's ve
     with tempfile.TemporaryDirectory() as tmp:
         model = _codec(Path(tmp))
         GOLDEN.mkdir(exist_ok=True)
-        (GOLDEN / "plain.tenx").write_bytes(compress_bytes(model, _original()))
-        (GOLDEN / "adapt.tenx").write_bytes(compress_bytes(model, _original(), adapt=ADAPT))
+        for name, (_, how) in FILES.items():
+            (GOLDEN / name).write_bytes(compress_bytes(model, _original(), **how))
         (GOLDEN / "cpu_kind.txt").write_text(_cpu_kind() + "\n")
     sys.exit(0)

@@ -11,10 +11,11 @@ UTF-8 come back unchanged. The end-of-document token is never coded (the header 
 its probability is given to the other tokens.
 
 Both sides compute bit-identical probabilities: format versions 1 and 3 run one function, `_code`, on the
-same inputs; version 2's arithmetic is exact and per row (fixed.py), so its encoder computes every
-position's output layer at once (`_encode_known`) and its decoder steps the chunks of several files side by
-side (`_decode_jointly`), with the same bits as `_code` would give (the golden files of
-tests/test_codec_golden.py hold both to it). The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
+same inputs; the arithmetic of versions 2 and 4 is exact and per row (fixed.py), so their encoder computes
+every position's output layer at once (`_encode_known`) and their decoder steps the chunks of several files
+side by side (`_decode_jointly`), with the same bits as `_code` would give (the golden files of
+tests/test_codec_golden.py hold both to it). Version 4 (what `tenx compress` writes) differs from 2 in one
+rule: its linear layers multiply integers of at most 127 (int8 products, `torch._int_mm` on a CPU). The tokens are cut into chunks of seq_len, each coded with context from its own chunk only (its first token
 conditioned on the end-of-document token, as documents start in training); up to MAX_GROUP chunks go through
 the model together, one position per step, with a key/value cache. Step s feeds every chunk's token s-1
 (known to the encoder, just decoded by the decoder). The logits come from `FixedStepper`
@@ -43,6 +44,7 @@ from tenx.compress.adapt import AdaptiveHead
 from tenx.compress.container import (
     ADAPTIVE_VERSION,
     DEVICES,
+    LINEAR_BITS,
     VERSION,
     CodecAdaptation,
     Header,
@@ -60,6 +62,8 @@ from tenx.utils.cli import counted
 
 __all__ = ["CodecModel", "compress_bytes", "decompress_bytes", "decompress_many", "load_codec", "to_ids"]
 
+JOINT_VERSIONS = (2, 4)
+"""Format versions whose files `_decode_jointly` decodes (exact arithmetic, no learning while coding)."""
 MAX_GROUP = 256
 """Chunks coded side by side: one forward step serves this many tokens (measured on the quickstart model,
 1 thread: 2,200 tokens/s one chunk at a time, 9,200 with 64; a 120 KB file of 134 chunks in one group
@@ -124,7 +128,8 @@ def _code(
     vocab, eot, device = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.device
     starts = np.arange(0, len(tokens_N), chunk)
     spent, done = 0.0, 0
-    head = None if adapt is None else AdaptiveHead(codec.fixed_weights(), adapt)
+    weights = cast(FixedWeights, None) if version == 1 else codec.fixed_weights(LINEAR_BITS[version])
+    head = None if adapt is None else AdaptiveHead(weights, adapt)
     for g in range(0, len(starts), group):
         first_R = starts[g : g + group]
         length_R = np.minimum(chunk, len(tokens_N) - first_R)  # only the last chunk may be shorter
@@ -133,19 +138,19 @@ def _code(
         inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
         known = None  # the encoder knows every token: all positions in one pass, the same bits (fixed.py)
         if not decoding and version != 1:
-            known = _hidden_all(codec.fixed_weights(), tokens_N, first_R, int(length_R[0]), eot)
+            known = _hidden_all(weights, tokens_N, first_R, int(length_R[0]), eot)
             if head is None:
-                _encode_known(codec, known, tokens_N, first_R, length_R, coder)
+                _encode_known(codec, weights, known, tokens_N, first_R, length_R, coder)
                 continue
         elif version == 1:
             step: Any = FloatStepper(codec.model, rows)
         else:
-            step = FixedStepper(codec.fixed_weights(), rows)
+            step = FixedStepper(weights, rows)
         for s in range(int(length_R[0])):
             active = int(np.count_nonzero(length_R > s))
             if known is not None:
                 hidden = known[:active, s]
-                logits = codec.fixed_weights().head(hidden) if head is None else head.logits(hidden)
+                logits = weights.head(hidden) if head is None else head.logits(hidden)
                 freqs = frequencies(logits, vocab, eot)
             elif head is None:
                 freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
@@ -173,7 +178,7 @@ def _code(
 
 @dataclass
 class _Stream:
-    """A format-2 file being decoded side by side with others (`_decode_jointly`)."""
+    """A file of format 2 or 4 being decoded side by side with others (`_decode_jointly`)."""
 
     name: str
     header: Header
@@ -202,7 +207,14 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
     (at most `_group(model)` chunks; a file's groups in order, never two of one file at once, the largest
     files first so that small files share steps). A row's logits depend on its own tokens only (every sum
     is exact, every other operation elementwise or within the row), so each file decodes as if alone. A
-    stream whose code is exhausted or undecodable gets its `error` and is skipped from then on."""
+    stream whose code is exhausted or undecodable gets its `error` and is skipped from then on. Files of
+    versions 2 and 4 (other grids) go in separate batches."""
+    versions = sorted({stream.header.version for stream in streams})
+    if len(versions) > 1:
+        for version in versions:
+            _decode_jointly(codec, [stream for stream in streams if stream.header.version == version])
+        return
+    weights = codec.fixed_weights(LINEAR_BITS[versions[0]]) if versions else None
     family = constriction.stream.model.Categorical(perfect=False)
     vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec.model)
     pending = {i: stream.groups() for i, stream in enumerate(streams)}
@@ -220,7 +232,7 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
         if not batch:
             break
         length_R = np.concatenate([np.minimum(st.header.chunk, st.header.tokens - f) for st, f in batch])
-        step = FixedStepper(codec.fixed_weights(), rows)
+        step = FixedStepper(cast(FixedWeights, weights), rows)
         inputs_R = torch.full((rows,), eot, dtype=torch.long)
         with _fixed_numerics(threads):
             for s in range(int(length_R.max())):
@@ -228,7 +240,7 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
                     break
                 live = np.flatnonzero(length_R > s)  # each file's live rows: a prefix of its own
                 hidden = step.hidden(inputs_R.to(codec.device), s)[torch.from_numpy(live).to(codec.device)]
-                freqs = fixed_frequencies(codec.fixed_weights().head(hidden), vocab, eot)
+                freqs = fixed_frequencies(step.w.head(hidden), vocab, eot)
                 row = cursor = 0
                 for stream, first in batch:
                     active = int(np.count_nonzero(length_R[row : row + len(first)] > s))
@@ -259,6 +271,7 @@ def _decode_step(stream: _Stream, where: np.ndarray, freqs: np.ndarray, family: 
 
 def _encode_known(
     codec: CodecModel,
+    weights: FixedWeights,
     known_RLD: torch.Tensor,
     tokens_N: np.ndarray,
     first_R: np.ndarray,
@@ -271,7 +284,7 @@ def _encode_known(
     frequencies (every output-layer sum is exact, every elementwise operation sees the same operands) and
     the same order as coding position by position, so the same code; the decoder has no such shortcut."""
     family = constriction.stream.model.Categorical(perfect=False)
-    vocab, eot, weights = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.fixed_weights()
+    vocab, eot = codec.tokenizer.vocab_size, codec.tokenizer.eot_id
     rows = np.arange(len(first_R))
     steps = int(length_R[0])
     active = [rows[length_R > s] for s in range(steps)]  # every row but a shorter last chunk's, once past it
@@ -353,9 +366,9 @@ def compress_bytes(
 ) -> bytes:
     """`data` compressed with `model` (a run or checkpoint directory, or one loaded already) into a `.tenx`
     blob; stored verbatim when the model's code would be longer (random bytes: at most the header is added).
-    `threads`: torch threads while coding (recorded; any count decodes a version-2 file). `adapt`: the
+    `threads`: torch threads while coding (recorded; any count decodes a file of version 2 or 4). `adapt`: the
     output layer learns as it codes (format version 3, tenx/compress/adapt.py). `version` 1 writes the old
-    kernel-dependent format (for tests of its reader)."""
+    kernel-dependent format, 2 the fixed-point rules with 15-bit linear layers (for tests of their readers)."""
     if not 1 <= threads <= 255:
         raise TenxError(f"--threads must be 1..255, got {threads}")
     if adapt is not None:
@@ -416,7 +429,7 @@ def decompress_bytes(
     header, codec = _opened(model, blob, name, max_bytes)
     if header.stored:
         return _verified(codec, header, blob[header.size :], name)
-    if header.version == VERSION:
+    if header.version in JOINT_VERSIONS:
         stream = _Stream(name, header, blob)
         _decode_jointly(codec, [stream])
         if stream.error is not None:
@@ -445,7 +458,7 @@ def decompress_many(
     max_bytes: int = MAX_BYTES,
 ) -> list[bytes | TenxError]:
     """The original bytes of each `.tenx` blob, or the TenxError that blob raised (a damaged file does not
-    stop the others): what `decompress_bytes` gives for each, faster for many small files. Format-2 files
+    stop the others): what `decompress_bytes` gives for each, faster for many small files. Files of formats 2 and 4
     are decoded together, the chunks of several files side by side in one model step (`_decode_jointly`:
     each file's probabilities are those it was coded with, since every row's arithmetic is exact and its
     own); stored files and other formats one by one."""
@@ -458,7 +471,7 @@ def decompress_many(
     for i, (blob, name) in enumerate(zip(blobs, names)):
         try:
             header = read_header(blob, name)
-            if header.version != VERSION or header.stored:
+            if header.version not in JOINT_VERSIONS or header.stored:
                 results.append(decompress_bytes(codec, blob, name=name, max_bytes=max_bytes))
                 continue
             _opened(codec, blob, name, max_bytes)

@@ -10,7 +10,8 @@ would be longer (the stored flag set).
 
 Versions: 1, float32 kernels (decodes only where the same kernels run; still read); 2, the fixed-point
 rules of tenx/compress/fixed.py (decodes anywhere); 3, version 2 with an output layer that learns as it
-codes (`tenx compress --adapt`).
+codes (`tenx compress --adapt`); 4, version 2 with the linear layers' products on a 7-bit grid (int8 x int8
+sums, exact in int32: `torch._int_mm`, ~1.7x faster coding for 0.05% larger files).
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ import xxhash
 from tenx.errors import TenxError
 
 MAGIC = b"TENX"
-VERSION = 2
-"""What plain `tenx compress` writes: probabilities by the fixed-point rules, the same on every machine."""
+VERSION = 4
+"""What plain `tenx compress` writes: probabilities by the fixed-point rules, the same on every machine, with
+int8 products in the linear layers."""
 ADAPTIVE_VERSION = 3
 """What `tenx compress --adapt` writes: version 2's rules and an output layer that learns as it codes."""
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
+LINEAR_BITS = {2: 15, 3: 15, 4: 7}
+"""The grid of the linear layers' products in each fixed-point version (tenx/compress/fixed.py)."""
 HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
 """magic, version, then the fields of Header in order (digests as 8 bytes each)."""
 HEADER_BYTES = HEADER.size + 8
-"""A header's bytes, its checksum included, in versions 1 and 2 (version 3: SETTINGS.size more)."""
+"""A header's bytes, its checksum included, in versions 1, 2 and 4 (version 3: SETTINGS.size more)."""
 DEVICES = ("cpu", "cuda")
 MAX_EVERY = 4096
 """The most positions between two updates of an adaptive file."""

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tenx import checkpoint as ckpt
-from tenx.compress.fixed import FixedWeights
+from tenx.compress.fixed import GRID_BITS, FixedWeights
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
@@ -45,18 +45,19 @@ class CodecModel:
     model_hash: str
     """xxh3-64 of the checkpoint's manifest file: its identity."""
     tokenizer_hash: str
-    _fixed: FixedWeights | None = None
+    _fixed: dict[int, FixedWeights] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
         """Where the model runs."""
         return next(self.model.parameters()).device
 
-    def fixed_weights(self) -> FixedWeights:
-        """The model's weights on the fixed-point grid (built on first use)."""
-        if self._fixed is None:
-            self._fixed = FixedWeights(self.model, self.device)
-        return self._fixed
+    def fixed_weights(self, linear_bits: int = GRID_BITS) -> FixedWeights:
+        """The model's weights on the fixed-point grid, its linear layers' on `linear_bits` (built on first
+        use)."""
+        if linear_bits not in self._fixed:
+            self._fixed[linear_bits] = FixedWeights(self.model, self.device, linear_bits)
+        return self._fixed[linear_bits]
 
 
 def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu") -> CodecModel:
