@@ -12,7 +12,10 @@ leave no such freedom:
   matmul the activations are rounded to integers of at most 2**15 on a power-of-two grid per row
   (`to_grid`), and each weight row once to integers of at most 2**15 (`FixedWeights`): a product is below
   2**30 and a dot product of up to 2**22 of them below 2**52, so any BLAS, blocking, thread count or GPU
-  gives the same bits. Normalisation statistics are integer sums too (the row on a grid of 2**20). The
+  gives the same bits. Format version 4 puts the linear layers' activations and weights on a 7-bit grid
+  clamped to 127 (INT8_LIMIT): products of int8s, summed exactly in int32 by `torch._int_mm` on a CPU and
+  in float64 elsewhere, the same integers either way. Normalisation statistics are integer sums too (the
+  row on a grid of 2**20). The
   attention's values go on one fixed grid per layer (products with the softmax's integer weights summed over
   positions), its exponent from a bound of |v| that the weights prove: |v_j| <= ||W_j|| * ||norm(x)|| + |b_j|
   with ||norm(x)|| <= sqrt(d) * max|gain| (+ ||bias||), computed from the integer weights.
