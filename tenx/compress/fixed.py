@@ -130,6 +130,17 @@ def _clamped(q: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[torch.Ten
     return (q.clamp_(-INT8_LIMIT, INT8_LIMIT) if bits < GRID_BITS else q), scale
 
 
+def _int8_products(q_RI: torch.Tensor, q8_IO: torch.Tensor) -> torch.Tensor | None:
+    """q_RI @ q8_IO as float64 by int8 products summed in int32 (exact: INT8_LIMIT), or None where this
+    torch's `_int_mm` refuses the shapes (the caller's float64 product gives the same integers)."""
+    flat = q_RI.reshape(-1, q_RI.shape[-1]).to(torch.int8)
+    try:
+        y = torch._int_mm(flat, q8_IO)
+    except RuntimeError:
+        return None
+    return y.view(*q_RI.shape[:-1], -1).to(torch.float64)
+
+
 @functools.cache
 def _int_mm_works() -> bool:
     """Whether this torch computes int8 products with `torch._int_mm` on a CPU (the float64 path gives the
@@ -172,11 +183,9 @@ class GridLinear:
 
     def __call__(self, x_RI: torch.Tensor) -> torch.Tensor:
         q_RI, scale_R1 = _clamped(*to_grid(x_RI, self.bits), self.bits)
-        if self.q8_IO is None:
+        y = None if self.q8_IO is None else _int8_products(q_RI, self.q8_IO)
+        if y is None:
             y = q_RI @ self.q_IO  # an exact integer sum
-        else:  # the same integer sums: int32 holds them exactly
-            flat = q_RI.reshape(-1, q_RI.shape[-1]).to(torch.int8)
-            y = torch._int_mm(flat, self.q8_IO).view(*q_RI.shape[:-1], -1).to(torch.float64)
         y.mul_(scale_R1)  # exact scaling by powers of two
         y.mul_(self.scale_O)
         return y if self.bias_O is None else y.add_(self.bias_O)
