@@ -148,10 +148,9 @@ def _code(
             step = FixedStepper(weights, rows)
         for s in range(int(length_R[0])):
             active = int(np.count_nonzero(length_R > s))
-            if known is not None:
+            if known is not None:  # the encoder of version 3 (2 and 4 took _encode_known)
                 hidden = known[:active, s]
-                logits = weights.head(hidden) if head is None else head.logits(hidden)
-                freqs = frequencies(logits, vocab, eot)
+                freqs = frequencies(cast(AdaptiveHead, head).logits(hidden), vocab, eot)
             elif head is None:
                 freqs = frequencies(step(inputs_R.to(device), s)[:active], vocab, eot)
             else:
@@ -162,11 +161,7 @@ def _code(
                 tokens_N[where] = coder.decode(family, freqs)
                 spent, done = spent + _information(freqs, tokens_N[where], vocab), done + active
                 if spent > budget_bits:
-                    raise TenxError(
-                        f"its code ran out after {done:,} of the {len(tokens_N):,} tokens its header "
-                        f"claims ({spent:,.0f} bits decoded from a body that holds at most "
-                        f"{budget_bits:,.0f}): the file is corrupt or forged"
-                    )
+                    raise _ran_out(done, len(tokens_N), spent, budget_bits)
             else:
                 coder.encode(tokens_N[where].astype(np.int32), family, freqs)
             inputs_R[:active] = torch.from_numpy(tokens_N[where])
@@ -210,11 +205,11 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
     stream whose code is exhausted or undecodable gets its `error` and is skipped from then on. Files of
     versions 2 and 4 (other grids) go in separate batches."""
     versions = sorted({stream.header.version for stream in streams})
-    if len(versions) > 1:
+    if len(versions) != 1:
         for version in versions:
             _decode_jointly(codec, [stream for stream in streams if stream.header.version == version])
         return
-    weights = codec.fixed_weights(LINEAR_BITS[versions[0]]) if versions else None
+    weights = codec.fixed_weights(LINEAR_BITS[versions[0]])
     family = constriction.stream.model.Categorical(perfect=False)
     vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec.model)
     pending = {i: stream.groups() for i, stream in enumerate(streams)}
@@ -232,7 +227,7 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
         if not batch:
             break
         length_R = np.concatenate([np.minimum(st.header.chunk, st.header.tokens - f) for st, f in batch])
-        step = FixedStepper(cast(FixedWeights, weights), rows)
+        step = FixedStepper(weights, rows)
         inputs_R = torch.full((rows,), eot, dtype=torch.long)
         with _fixed_numerics(threads):
             for s in range(int(length_R.max())):
@@ -263,10 +258,16 @@ def _decode_step(stream: _Stream, where: np.ndarray, freqs: np.ndarray, family: 
     budget = code_bits(stream.header.words)
     if stream.spent > budget:
         stream.error = TenxError(
-            f"{stream.name}: its code ran out after {stream.done:,} of the {stream.header.tokens:,} tokens "
-            f"its header claims ({stream.spent:,.0f} bits decoded from a body that holds at most "
-            f"{budget:,.0f}): the file is corrupt or forged"
+            f"{stream.name}: {_ran_out(stream.done, stream.header.tokens, stream.spent, budget)}"
         )
+
+
+def _ran_out(done: int, tokens: int, spent: float, budget: float) -> TenxError:
+    """The error of a code exhausted before its header's token count (see `_code`)."""
+    return TenxError(
+        f"its code ran out after {done:,} of the {tokens:,} tokens its header claims ({spent:,.0f} bits "
+        f"decoded from a body that holds at most {budget:,.0f}): the file is corrupt or forged"
+    )
 
 
 def _encode_known(
@@ -470,13 +471,12 @@ def decompress_many(
     streams: dict[int, _Stream] = {}
     for i, (blob, name) in enumerate(zip(blobs, names)):
         try:
-            header = read_header(blob, name)
-            if header.version not in JOINT_VERSIONS or header.stored:
+            header, _ = _opened(codec, blob, name, max_bytes)
+            if header.version in JOINT_VERSIONS and not header.stored:
+                streams[i] = _Stream(name, header, blob)
+                results.append(b"")
+            else:
                 results.append(decompress_bytes(codec, blob, name=name, max_bytes=max_bytes))
-                continue
-            _opened(codec, blob, name, max_bytes)
-            streams[i] = _Stream(name, header, blob)
-            results.append(b"")
         except TenxError as e:
             results.append(e)
     _decode_jointly(codec, list(streams.values()))

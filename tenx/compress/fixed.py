@@ -125,11 +125,6 @@ def det_log(x: float) -> float:
     return e * _LN2 + 2.0 * total
 
 
-def _clamped(q: torch.Tensor, scale: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grid integers below GRID_BITS clamped to INT8_LIMIT (the 7-bit grid reaches 128 at a row's peak)."""
-    return (q.clamp_(-INT8_LIMIT, INT8_LIMIT) if bits < GRID_BITS else q), scale
-
-
 def _int8_products(q_RI: torch.Tensor, q8_IO: torch.Tensor) -> torch.Tensor | None:
     """q_RI @ q8_IO as float64 by int8 products summed in int32 (exact: INT8_LIMIT), or None where this
     torch's `_int_mm` refuses the shapes (the caller's float64 product gives the same integers)."""
@@ -153,11 +148,15 @@ def _int_mm_works() -> bool:
 
 
 def to_grid(x: torch.Tensor, bits: int = GRID_BITS) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) as integers q of at most 2**bits in magnitude and a power of two per row: x ~ q * scale."""
+    """x (..., D) as integers q of at most 2**bits in magnitude and a power of two per row: x ~ q * scale.
+    Grids narrower than GRID_BITS are int8's: clamped to INT8_LIMIT (a row's peak can round to 2**7)."""
     peak = x.abs().amax(dim=-1, keepdim=True)
     _, exponent = torch.frexp(torch.where(peak > 0, peak, torch.ones_like(peak)))  # peak < 2**exponent
     exponent = exponent.to(torch.int64)
-    return (x * pow2(bits - exponent)).round_(), pow2(exponent - bits)  # both exact: powers of two
+    q = (x * pow2(bits - exponent)).round_()
+    if bits < GRID_BITS:
+        q.clamp_(-INT8_LIMIT, INT8_LIMIT)
+    return q, pow2(exponent - bits)  # both exact: powers of two
 
 
 @dataclass
@@ -174,7 +173,7 @@ class GridLinear:
 
     @staticmethod
     def of(layer: nn.Linear, device: torch.device, bits: int = GRID_BITS) -> GridLinear:
-        q_OI, scale_O1 = _clamped(*to_grid(layer.weight.detach().to(device, torch.float64), bits), bits)
+        q_OI, scale_O1 = to_grid(layer.weight.detach().to(device, torch.float64), bits)
         bias = None if layer.bias is None else layer.bias.detach().to(device, torch.float64)
         q_IO = q_OI.t().contiguous()
         exact = layer.in_features <= 2**17  # int32 holds the sums (INT8_LIMIT docstring)
@@ -182,7 +181,7 @@ class GridLinear:
         return GridLinear(q_IO, scale_O1[:, 0], bias, bits, q_IO.to(torch.int8) if int8 else None)
 
     def __call__(self, x_RI: torch.Tensor) -> torch.Tensor:
-        q_RI, scale_R1 = _clamped(*to_grid(x_RI, self.bits), self.bits)
+        q_RI, scale_R1 = to_grid(x_RI, self.bits)
         y = None if self.q8_IO is None else _int8_products(q_RI, self.q8_IO)
         if y is None:
             y = q_RI @ self.q_IO  # an exact integer sum
