@@ -38,10 +38,12 @@ from tenx.scaling.fit import fit_data_constrained
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def heldout_errors(baseline: list[dict[str, Any]]) -> dict[str, Any]:
+def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan) -> dict[str, Any]:
     """Relative errors of the law on baseline points it was not fitted on (see the module docstring). A
     point is a (size, tokens, unique tokens) triple: its seeds are left out together and their mean loss
-    is what the law predicts."""
+    is what the law predicts. With `seed_sigma` (a run's held-out loss spread over seeds, nats), each point
+    also gets `noise`: that spread relative to the point's mean, over the square root of its seeds (the
+    error a law that were exact would still show there, one standard deviation)."""
     cols = {k: np.array([r[k] for r in baseline], dtype=float) for k in ("params", "tokens", "unique_tokens")}
     loss = np.array([r["heldout_loss"] for r in baseline], dtype=float)
     triples = [tuple(x) for x in np.column_stack([cols["params"], cols["tokens"], cols["unique_tokens"]])]
@@ -75,6 +77,7 @@ def heldout_errors(baseline: list[dict[str, Any]]) -> dict[str, Any]:
                 "epochs": p[1] / p[2],
                 "seeds": len(members[p]),
                 "rel_error": float(q / np.mean(loss[members[p]]) - 1),
+                "noise": float(seed_sigma / np.mean(loss[members[p]]) / math.sqrt(len(members[p]))),
             }
             for p, q in zip(test, predicted)
         ]
@@ -102,17 +105,17 @@ def main() -> None:
     started = time.perf_counter()
     dc = load_derisk(args.config)
     result = run_data_derisk(dc, args.out)
-    held = heldout_errors(result["baseline"])
+    held = heldout_errors(result["baseline"], result["seed_sigma"])
     print("\nthe law on points it was not fitted on (relative error of the predicted held-out loss):")
     for p in held["leave_one_out"]:
         print(
             f"  leave one out: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
-            f"{100 * p['rel_error']:+.2f}%"
+            f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
         )
     for p in held["largest_size"]:
         print(
             f"  largest size:  N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
-            f"{100 * p['rel_error']:+.2f}%"
+            f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
         )
     print(
         f"max |error|: leave one out {100 * held['leave_one_out_max_abs']:.2f}%, largest size from the "

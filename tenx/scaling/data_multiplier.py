@@ -370,7 +370,8 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax1.legend(fontsize=7, loc="best")
     scales = np.array(result["budgets"])
     any_shown = False
-    for ch in result["changes"]:
+    drawn = [1.0]  # the multipliers and interval bounds drawn: the axis spans them (within SHOWN)
+    for i, ch in enumerate(result["changes"]):
         y = np.array(ch["multipliers"])
         shown = np.isfinite(y) & (y > 0)  # an infinite multiplier (past the law's floor) has no point
         with np.errstate(invalid="ignore"):  # inf - inf: no bar, as nan_to_num says below
@@ -380,13 +381,16 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
             high = np.clip(np.array(ch["high"], dtype=float), SHOWN[0], SHOWN[1])
             err = np.clip(np.array([y - low, high - y]), 0, None)
         err = np.nan_to_num(err, nan=0.0, posinf=0.0)[:, shown]
-        ax2.errorbar(scales[shown], y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
+        dodge = 1.04 ** (i - (len(result["changes"]) - 1) / 2)  # side by side: overlapping bars stay legible
+        ax2.errorbar(scales[shown] * dodge, y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
+        drawn += [*(y[shown] - err[0]), *(y[shown] + err[1])]
         any_shown |= bool(shown.any())
     ax2.axhline(1.0, color="k", lw=0.8)
     if any_shown:  # else an empty panel: every multiplier lies past the law's floor
         ax2.set_xscale("log")
         ax2.set_yscale("log", nonpositive="clip")
-        ax2.set_ylim(*SHOWN)
+        bounds = np.array([v for v in drawn if v > 0])
+        ax2.set_ylim(max(SHOWN[0], bounds.min() / 1.25), min(SHOWN[1], bounds.max() * 1.25))
         ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded labels on a short decade
     ax2.set_xlabel("training FLOPs of the scale")
     ax2.set_ylabel("effective data multiplier")
