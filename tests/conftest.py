@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,6 +22,28 @@ from tenx.data.prepare.sources import stdlib_dir  # noqa: E402
 from tenx.train.config import CONFIG_DIR, load_run_config  # noqa: E402
 
 TINY_PACKAGES = ("json", "email")
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def load_bench():
+    """`load_bench(name)`: bench/NAME.py imported as a module (registered in sys.modules while the session
+    runs: a script's dataclasses look their module up there), each script once."""
+    loaded: dict[str, ModuleType] = {}
+
+    def load(name: str) -> ModuleType:
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+            assert spec and spec.loader
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    yield load
+    for module in loaded.values():
+        sys.modules.pop(module.__name__, None)
 
 
 @pytest.fixture(scope="session")

@@ -4,31 +4,19 @@ error, and each point's seed noise is the spread over the square root of its see
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from tenx.scaling.fit import effective_data
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "data_efficiency.py"
 TRUE = {"E": 1.2, "A": 40.0, "B": 300.0, "alpha": 0.3, "beta": 0.35, "R_D_star": 6.0}
 FRESH = 1e9
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("data_efficiency_bench", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+def bench(load_bench):
+    return load_bench("data_efficiency")
 
 
 def law(N: float, D: float, U: float) -> float:

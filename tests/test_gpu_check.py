@@ -3,7 +3,6 @@ finite positive numbers; its error lines are the one line that says what went wr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -40,16 +39,8 @@ MAY_SKIP = {"ddp", "fsdp", "export-load"}  # on one GPU, or without transformers
 
 
 @pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+def gpu_check(load_bench):
+    return load_bench("gpu_check")
 
 
 @pytest.mark.timeout(600)

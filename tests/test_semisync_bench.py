@@ -4,24 +4,16 @@ the scale of parity, bytes ratios and the budgets' shapes."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 BUDGETS = [1e11, 1e12, 1e13]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import semisync_scaling
-    finally:
-        sys.path.remove(str(BENCH))
-    return semisync_scaling
+def bench(load_bench):
+    return load_bench("semisync_scaling")
 
 
 def sync_loss(c: float) -> float:
