@@ -9,8 +9,9 @@ OUT are reused, so a second call only re-analyses.
 
 The law is then checked on points it was not fitted on, two ways, each against the baseline's own law as
 the named baseline of this benchmark:
-- leave one out: each repeated-data baseline point (a size, its tokens and unique tokens: the mean of its
-  seeds) predicted by the law fitted to every other baseline run;
+- leave one out: each repeated-data baseline point (a size, its tokens and unique tokens: the median of its
+  seeds, robust to the rare depth-1 run that trains slowly, as the law's Huber fit is) predicted by the law
+  fitted to every other baseline run;
 - the largest size: its repeated-data runs predicted by the law fitted to everything else (extrapolation in
   model size, the harder case).
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tenx.scaling.data_multiplier import run_data_derisk
+from tenx.scaling.data_multiplier import point_medians, run_data_derisk
 from tenx.scaling.derisk import load_derisk
 from tenx.scaling.fit import fit_data_constrained
 
@@ -42,13 +43,15 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
     """Relative errors of the law on baseline points it was not fitted on (see the module docstring). A
     point is a (size, tokens, unique tokens) triple: its seeds are left out together and their mean loss
     is what the law predicts. With `seed_sigma` (a run's held-out loss spread over seeds, nats), each point
-    also gets `noise`: that spread relative to the point's mean, over the square root of its seeds (the
+    also gets `noise`: that spread relative to the point's loss, over the square root of its seeds (the
     error a law that were exact would still show there, one standard deviation)."""
-    cols = {k: np.array([r[k] for r in baseline], dtype=float) for k in ("params", "tokens", "unique_tokens")}
-    loss = np.array([r["heldout_loss"] for r in baseline], dtype=float)
+    rows = point_medians(baseline)  # one row per point, as the study fits the law
+    cols = {k: np.array([r[k] for r in rows], dtype=float) for k in ("params", "tokens", "unique_tokens")}
+    loss = np.array([r["heldout_loss"] for r in rows], dtype=float)
     triples = [tuple(x) for x in np.column_stack([cols["params"], cols["tokens"], cols["unique_tokens"]])]
-    points = sorted(set(triples))
-    members = {p: np.array([i for i, t in enumerate(triples) if t == p]) for p in points}
+    points = sorted(triples)
+    index = {p: i for i, p in enumerate(triples)}
+    seeds = {p: rows[index[p]]["seeds"] for p in points}
     repeated = [p for p in points if p[1] > p[2] * (1 + 1e-9)]
 
     def predict(train: np.ndarray, test: list[tuple[float, float, float]]) -> np.ndarray:
@@ -65,8 +68,8 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
     def errors(test: list[tuple[float, float, float]]) -> list[dict[str, float]]:
         if not test:
             return []
-        left = np.concatenate([members[p] for p in test])
-        rest = np.setdiff1d(np.arange(len(baseline)), left)
+        left = np.array([index[p] for p in test])
+        rest = np.setdiff1d(np.arange(len(rows)), left)
         if not (cols["tokens"][rest] > cols["unique_tokens"][rest] * (1 + 1e-9)).any():
             return []
         predicted = predict(rest, test)
@@ -75,9 +78,9 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
                 "params": p[0],
                 "unique_tokens": p[2],
                 "epochs": p[1] / p[2],
-                "seeds": len(members[p]),
-                "rel_error": float(q / np.mean(loss[members[p]]) - 1),
-                "noise": float(seed_sigma / np.mean(loss[members[p]]) / math.sqrt(len(members[p]))),
+                "seeds": seeds[p],
+                "rel_error": float(q / loss[index[p]] - 1),
+                "noise": float(seed_sigma / loss[index[p]] / math.sqrt(seeds[p])),
             }
             for p, q in zip(test, predicted)
         ]

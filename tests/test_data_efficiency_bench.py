@@ -61,3 +61,25 @@ def test_a_point_off_the_law_shows_as_its_own_error_with_its_seed_noise(bench):
     assert moved["seeds"] == 2
     others = [abs(e["rel_error"]) for k, e in errors.items() if k != (5e5, 8.0, 2.5e5)]
     assert max(others) < 0.02  # a robust (Huber) fit is not dragged far by the one point
+
+
+def test_a_points_measured_loss_is_the_median_of_its_seeds(bench):
+    """One seed of three that trained slowly (10% above its siblings, as depth 1's rare runs do) does not
+    move the point: the law is compared with the median of its seeds, not their mean."""
+    point = (1e5, 2e6, 1e6)  # the smallest size at 2 epochs of 1M
+    rows = study()
+    rows.append(
+        {
+            "params": point[0],
+            "tokens": point[1],
+            "unique_tokens": point[2],
+            "heldout_loss": law(*point) * 1.10,
+        }
+    )
+    held = bench.heldout_errors(rows, seed_sigma=0.02)
+    moved = next(
+        e for e in held["leave_one_out"] if (e["params"], e["unique_tokens"], e["epochs"]) == (1e5, 1e6, 2.0)
+    )
+    assert moved["seeds"] == 3
+    assert abs(moved["rel_error"]) < 1e-3  # the mean of the three would be 3.3% above the law
+    assert moved["noise"] == pytest.approx(0.02 / law(*point) / math.sqrt(3), rel=1e-6)

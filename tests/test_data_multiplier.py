@@ -314,7 +314,10 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
         [2.15, 2.15], rel=0.01
     )  # 43,008 over 20,000
     assert [s["unique_tokens"] for s in rope["scales"]] == [20000, 20000]
-    assert rope["verdict"] in ("grows", "persists", "fades", "reverses", "hurts")
+    # the multipliers and verdict depend on these few tiny runs (the law fitted to 12 of them can put the
+    # baseline below its floor: nan, or the change: inf); that each scale gets one, and a verdict, is checked
+    assert len(rope["multipliers"]) == 2 and len(rope["low"]) == 2
+    assert rope["verdict"] in ("grows", "persists", "fades", "reverses", "hurts", "unresolved")
     assert "| rope |" in (out / "report.md").read_text() and (out / "report.png").stat().st_size > 10000
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("(reused)") == 14

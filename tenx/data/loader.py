@@ -30,8 +30,6 @@ from tenx.errors import ConfigError, DataError
 from tenx.hardware import host_to_device
 
 _SKIP_HINT = 'or set data.on_corrupt_shard = "skip" to train around it'
-SPREAD_BLOCK = 2048
-"""Tokens per block of a 'spread' sample (DataConfig.unique_sample)."""
 
 
 @dataclass
@@ -47,7 +45,8 @@ class DataConfig:
     unique_sample: Literal["first", "spread"] = field(
         "first",
         help="which max_unique_tokens tokens: 'first' (the split's first N, in document order) or 'spread' "
-        "(blocks of 2,048 tokens at even intervals over the whole split: a sample of every part of it)",
+        "(blocks of model.seq_len tokens, one training sequence each, at even intervals over the whole split: "
+        "a sample of every part of it, as diverse per token as a run on the whole split)",
     )
     verify: bool = field(True, help="verify each shard's checksums against the manifest when first read")
     on_corrupt_shard: Literal["error", "skip"] = field(
@@ -71,8 +70,8 @@ class TokenStream:
     return its tokens.
 
     `max_tokens` caps the stream at that many tokens: the split's first ones (`sample="first"`), or
-    (`sample="spread"`) blocks of SPREAD_BLOCK tokens whose starts are spaced evenly over the whole split,
-    read one after another as one stream (offsets, `locate` and `document_of` take the stream's offsets).
+    (`sample="spread"`) blocks of `block` tokens whose starts are spaced evenly over the whole split, read
+    one after another as one stream (offsets, `locate` and `document_of` take the stream's offsets).
     """
 
     def __init__(
@@ -83,6 +82,7 @@ class TokenStream:
         max_tokens: int | None = None,
         on_corrupt: Literal["error", "skip"] = "error",
         sample: Literal["first", "spread"] = "first",
+        block: int | None = None,
     ):
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
@@ -110,10 +110,13 @@ class TokenStream:
         self.num_tokens = min(total, max_tokens) if max_tokens is not None else total
         if sample not in ("first", "spread"):
             raise ValueError(f"sample must be 'first' or 'spread', got {sample!r}")
+        if sample == "spread" and (block is None or block < 1):
+            raise ValueError(f"a spread sample needs a block of at least 1 token, got {block!r}")
+        self._block = block or 1
         self._stride = 0  # a spread sample: block k starts at k * stride of the split (0: no spread)
         if sample == "spread" and self.num_tokens < total:
-            blocks = -(-self.num_tokens // SPREAD_BLOCK)
-            self._stride = total // blocks  # >= SPREAD_BLOCK: blocks * SPREAD_BLOCK < total + SPREAD_BLOCK
+            blocks = -(-self.num_tokens // self._block)
+            self._stride = total // blocks  # >= block: blocks * block < total + block
         self._doc_starts: dict[int, np.ndarray] | None = None
         self._open()
 
@@ -203,7 +206,7 @@ class TokenStream:
         """The split offset of stream offset `offset` (they differ in a spread sample)."""
         if not self._stride:
             return offset
-        block, within = divmod(offset, SPREAD_BLOCK)
+        block, within = divmod(offset, self._block)
         return block * self._stride + within
 
     def _pieces(self, start: int, length: int) -> list[tuple[int, int]]:
@@ -212,7 +215,7 @@ class TokenStream:
             return [(start, length)]
         pieces = []
         while length > 0:
-            take = min(length, SPREAD_BLOCK - start % SPREAD_BLOCK)
+            take = min(length, self._block - start % self._block)
             pieces.append((self._physical(start), take))
             start, length = start + take, length - take
         return pieces
@@ -269,10 +272,15 @@ class TokenStream:
 
 
 def train_stream(
-    data: DataConfig, *, verify: bool | None = None, on_corrupt: Literal["error", "skip"] | None = None
+    data: DataConfig,
+    seq_len: int,
+    *,
+    verify: bool | None = None,
+    on_corrupt: Literal["error", "skip"] | None = None,
 ) -> TokenStream:
-    """The training split's stream as `data` describes it (its cap of unique tokens and which ones); `verify`
-    and `on_corrupt` override the config's (replay verifies always and reads around corrupt shards)."""
+    """The training split's stream as `data` describes it (its cap of unique tokens and which ones, a spread
+    sample in blocks of one training sequence, `seq_len` tokens); `verify` and `on_corrupt` override the
+    config's (replay verifies always and reads around corrupt shards)."""
     return TokenStream(
         data.dir,
         data.train_split,
@@ -280,6 +288,7 @@ def train_stream(
         data.max_unique_tokens,
         on_corrupt=data.on_corrupt_shard if on_corrupt is None else on_corrupt,
         sample=data.unique_sample,
+        block=seq_len,
     )
 
 

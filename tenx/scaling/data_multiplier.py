@@ -146,6 +146,20 @@ def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([float(r[key]) for r in rows])
 
 
+def point_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point (params, tokens, unique_tokens), in first-seen order, its held-out loss the median
+    of its seeds' and `seeds` their count. The law is fitted to these: each point weighs the same however
+    many seeds it has (the smallest scale's three would otherwise outweigh a larger size's one), and a seed
+    that trained slowly (depth 1 has such runs, up to 0.1 nats above their siblings) does not move it."""
+    groups: dict[tuple[float, float, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["params"], r["tokens"], r["unique_tokens"]), []).append(r)
+    return [
+        {**g[0], "heldout_loss": float(np.median([r["heldout_loss"] for r in g])), "seeds": len(g)}
+        for g in groups.values()
+    ]
+
+
 def analyse_data(
     baseline: list[dict[str, Any]], changes: dict[str, list[dict[str, Any]]], dc: DeriskConfig
 ) -> dict[str, Any]:
@@ -153,12 +167,13 @@ def analyse_data(
     trend and verdict. A row: budget (its scale), params, tokens, unique_tokens, heldout_loss."""
     from tenx.scaling.fit import fit_data_constrained
 
+    points = point_medians(baseline)
     try:
         fit = fit_data_constrained(
-            _column(baseline, "params"),
-            _column(baseline, "tokens"),
-            _column(baseline, "unique_tokens"),
-            _column(baseline, "heldout_loss"),
+            _column(points, "params"),
+            _column(points, "tokens"),
+            _column(points, "unique_tokens"),
+            _column(points, "heldout_loss"),
             bootstrap=dc.bootstrap,
         )
     except DataError as e:
@@ -190,8 +205,8 @@ def analyse_data(
         missing = [s for s, a in zip(scales, at) if not a]
         if missing:
             raise DataError(f"change {name!r}: no run at budget {missing[0]:.3g}")
-        N, D, U, L = (
-            np.array([np.mean([r[k] for r in a]) for a in at])
+        N, D, U, L = (  # the median of a point's seeds, as the law is fitted to (point_medians)
+            np.array([np.median([r[k] for r in a]) for a in at])
             for k in ("params", "tokens", "unique_tokens", "heldout_loss")
         )
         n = np.array([len(a) for a in at])
@@ -204,7 +219,7 @@ def analyse_data(
                 "to compare with"
             )
         N_b, L_b = (
-            np.array([np.mean([r[k] for r in a]) for a in anchor]) for k in ("params", "heldout_loss")
+            np.array([np.median([r[k] for r in a]) for a in anchor]) for k in ("params", "heldout_loss")
         )
         n_b = np.array([len(a) for a in anchor])
         m_point = effective_data_multiplier(point, N_b, L, L_b)[0]
@@ -247,6 +262,8 @@ def analyse_data(
         out_changes.append(entry)
     N_b, D_b, U_b, L_b = (_column(baseline, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
     rel = fit.predict(N=N_b, D=D_b, U=U_b) / L_b - 1
+    N_p, D_p, U_p, L_p = (_column(points, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
+    rel_points = fit.predict(N=N_p, D=D_p, U=U_p) / L_p - 1  # what the law was fitted to
     return {
         "mode": "data",
         "budgets": scales,
@@ -254,7 +271,7 @@ def analyse_data(
         "compare_unique_tokens": dc.compare_u,
         "seed_sigma": sigma,
         "law": fit.to_dict(),
-        "law_max_abs_rel_error": float(np.max(np.abs(rel))),
+        "law_max_abs_rel_error": float(np.max(np.abs(rel_points))),
         "baseline": [
             {
                 **{k: r[k] for k in ("budget", "params", "tokens", "unique_tokens", "heldout_loss")},
@@ -294,7 +311,8 @@ def format_data_derisk(result: dict[str, Any]) -> str:
     lines = [
         "# Derisking report: effective data multipliers",
         "",
-        f"Baseline law ({law['form']}): {params}; {law['n_points']} runs, largest error "
+        f"Baseline law ({law['form']}): {params}; fitted to {law['n_points']} points (each the median of its "
+        "seeds), largest error "
         f"{100 * result['law_max_abs_rel_error']:.2f}% of the held-out loss.",
         "",
         "| scale | params | tokens | unique tokens | epochs | held-out loss | law |",

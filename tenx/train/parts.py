@@ -268,7 +268,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         check_float8_support(device)
 
     events = EventLog(rundir.root)
-    train_stream = data_train_stream(cfg.data)
+    train_stream = data_train_stream(cfg.data, cfg.model.seq_len)
     manifest = train_stream.manifest
     # Replica groups (torchft, across clusters): each group reads its own share of every global batch.
     replicas: Any = None

@@ -135,7 +135,7 @@ class Replayer:
                 f"{self.rundir.root}: the run used replica groups (parallel.replicas.mode="
                 f"{self.cfg.parallel.replicas.mode!r}); replay covers single-process, DDP and FSDP runs"
             )
-        self.stream = train_stream(self.cfg.data, verify=True, on_corrupt="skip")
+        self.stream = train_stream(self.cfg.data, self.cfg.model.seq_len, verify=True, on_corrupt="skip")
         self.shape = shape = run_shape(
             self.cfg, int(self.stream.manifest["tokenizer"]["vocab_size"]), self.world_size
         )
