@@ -160,3 +160,30 @@ def test_too_little_data_is_a_clear_error(tiny_data):
 def test_unknown_split_names_available(tiny_data):
     with pytest.raises(DataError, match="no split 'test'; available: "):
         TokenStream(tiny_data, "test")
+
+
+def test_a_loader_state_is_not_resumed_on_another_sample(tiny_corpus_multishard):
+    """The state records which sample the stream reads: a checkpoint of a spread sample is refused by a
+    run reading the same number of tokens as another sample (blocks of another size, or the first tokens),
+    and a state from before the record is refused for a spread sample (its blocks were 2,048 tokens then)
+    but taken for the whole split."""
+    cap = 4000
+    spread = TokenStream(tiny_corpus_multishard, "train", max_tokens=cap, sample="spread", block=32)
+    loader = TokenLoader(spread, 32, 4, seed=0)
+    batches(loader, 3)
+    state = loader.state_dict()
+    assert state["sample"] == spread.layout and spread.layout.startswith("spread 32/")
+    TokenLoader(spread, 32, 4, seed=0).load_state_dict(state)  # the same sample: resumes
+    other = TokenStream(tiny_corpus_multishard, "train", max_tokens=cap, sample="spread", block=64)
+    first = TokenStream(tiny_corpus_multishard, "train", max_tokens=cap)
+    for stream in (other, first):
+        with pytest.raises(DataError, match="unique_sample or model.seq_len changed"):
+            TokenLoader(stream, 32, 4, seed=0).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "sample"}
+    with pytest.raises(DataError, match="before tenx recorded which sample"):
+        TokenLoader(spread, 32, 4, seed=0).load_state_dict(old)
+    whole = TokenStream(tiny_corpus_multishard, "train")
+    plain = TokenLoader(whole, 32, 4, seed=0)
+    batches(plain, 2)
+    legacy = {k: v for k, v in plain.state_dict().items() if k != "sample"}
+    TokenLoader(whole, 32, 4, seed=0).load_state_dict(legacy)  # the whole split: nothing to confuse

@@ -106,6 +106,7 @@ def _check_manifest_fields(meta: dict[str, Any]) -> None:
         for key in ("epoch", "cursor", "num_windows"):
             _need(_is_count(loader.get(key, 0)), f"loader.{key}", _COUNT)
         _need(type(loader.get("seed", 0)) is int, "loader.seed", "a whole number")
+        _need(type(loader.get("sample", "")) is str, "loader.sample", "a string")
         skips = loader.get("skips", [])
         _need(
             type(skips) is list and all(_is_span(s) for s in skips), "loader.skips", "a list of [start, end]"

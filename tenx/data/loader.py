@@ -117,6 +117,15 @@ class TokenStream:
         if sample == "spread" and self.num_tokens < total:
             blocks = -(-self.num_tokens // self._block)
             self._stride = total // blocks  # >= block: blocks * block < total + block
+        self.layout = (
+            f"spread {self._block}/{self._stride}"
+            if self._stride
+            else "first"
+            if self.num_tokens < total
+            else "all"
+        )
+        """Which of the split's tokens the stream reads: 'all', 'first' (a prefix) or 'spread BLOCK/STRIDE';
+        a loader's state records it, so a checkpoint is not resumed on another sample of the same size."""
         self._doc_starts: dict[int, np.ndarray] | None = None
         self._open()
 
@@ -423,6 +432,7 @@ class TokenLoader:
             "cursor": self.cursor,
             "seed": self.seed,
             "num_windows": self.num_windows,
+            "sample": self.stream.layout,
             "skips": [[start, end] for start, end in self._skips],
         }
 
@@ -433,6 +443,19 @@ class TokenLoader:
                 f"loader state was saved for {state['num_windows']} windows with seed {state['seed']}, but this "
                 f"data has {self.num_windows} windows with seed {self.seed}: the data or seq_len changed since "
                 "the checkpoint"
+            )
+        saved = state.get("sample")
+        if saved is None and self.stream.layout.startswith("spread"):
+            raise DataError(
+                "loader state was saved before tenx recorded which sample a run reads, and this run reads a "
+                f"spread sample ({self.stream.layout}): spread samples were then blocks of 2,048 tokens, so "
+                "resuming would read other data; start the run again, or resume it with the tenx that wrote it"
+            )
+        if saved is not None and saved != self.stream.layout:
+            raise DataError(
+                f"loader state was saved for the sample {saved!r} of the training split, but this run reads "
+                f"{self.stream.layout!r}: data.max_unique_tokens, data.unique_sample or model.seq_len changed "
+                "since the checkpoint"
             )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._skips = _merge([(int(start), int(end)) for start, end in state.get("skips", [])])
