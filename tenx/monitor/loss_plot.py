@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.monitor.metrics_file import read_metrics
+from tenx.utils.io import atomic_write_png
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
@@ -86,6 +87,6 @@ def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str 
     ax.legend()
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png)
+    atomic_write_png(out_png, fig)
     plt.close(fig)
     return out_png

@@ -47,7 +47,7 @@ from tenx.errors import ConfigError, DataError
 from tenx.scaling.derisk import DeriskConfig, format_multiplier, prepare_stack, verdict
 from tenx.scaling.ladder import config_key, load_base, run_one
 from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
-from tenx.utils.io import atomic_write_json, atomic_write_text
+from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 SHOWN = (0.01, 100.0)
 """The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
@@ -361,7 +361,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
 
     law = result["law"]
     fit = FitResult(law["law"], law["form"], law["params"], {}, np.zeros((0, len(law["params"]))), 0, 0.0)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.5), dpi=120)
     for size in sorted({(r["params"], r["tokens"]) for r in result["baseline"]}):
         rows = [r for r in result["baseline"] if (r["params"], r["tokens"]) == size]
         if len(rows) < 2:  # a single-epoch run of U tokens: a point of the fit, not of a curve
@@ -385,7 +385,8 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax1.set_ylabel("held-out loss (nats/token)")
     ax1.set_title("baseline, with the data-constrained law")
     ax1.grid(alpha=0.3, which="both")
-    ax1.legend(fontsize=7, loc="best")
+    # below the panel: inside it, the legend covered the longest runs' points
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3)
     scales = np.array(result["budgets"])
     any_shown = False
     drawn = [1.0]  # the multipliers and interval bounds drawn: the axis spans them (within SHOWN)
@@ -417,7 +418,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png)
+    atomic_write_png(out_png, fig)
     plt.close(fig)
     return out_png
 

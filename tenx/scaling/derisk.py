@@ -49,7 +49,7 @@ from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.scaling.ladder import config_key, ensure_data, load_base, run_one
 from tenx.scaling.rungs import LadderConfig, PlannedRun, format_ladder_plan, plan_ladder
-from tenx.utils.io import atomic_write_json, atomic_write_text
+from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 Z95 = 1.959963984540054
 
@@ -495,7 +495,7 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
     )
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png)
+    atomic_write_png(out_png, fig)
     plt.close(fig)
     return out_png
 

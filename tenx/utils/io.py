@@ -4,6 +4,7 @@ reader, and xxhash checksums."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import secrets
@@ -63,6 +64,13 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_png(path: str | os.PathLike[str], figure: Any) -> None:
+    """Atomically write a matplotlib figure as a PNG (a dashboard or reader never sees half an image)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tenx.scaling.fit.frontier import best_per_budget, compute_optimal
-from tenx.utils.io import atomic_write_bytes
+from tenx.utils.io import atomic_write_png
 
 if TYPE_CHECKING:
     from tenx.scaling.fit.laws import FitResult
@@ -43,7 +43,6 @@ def plot_fit(
 ) -> Path:
     """Loss against training compute: fitted runs, one fitted curve per model size, held-out runs and the
     target with the bootstrap band of their extrapolation; saved (atomically) as a PNG."""
-    import io
 
     import matplotlib
     import matplotlib.ticker
@@ -189,9 +188,7 @@ def plot_fit(
     if far:
         fig.suptitle(title or f"{fit.law} fit")
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
     out_png = Path(out_png)
-    atomic_write_bytes(out_png, buffer.getvalue())
+    atomic_write_png(out_png, fig)
+    plt.close(fig)
     return out_png
