@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -145,12 +146,21 @@ def ordered_map(
         context = multiprocessing.get_context(method)
         with context.Pool(workers, initializer=_guarded_init, initargs=(initializer, initargs)) as pool:
             pending: collections.deque = collections.deque()
-            for item in items:
-                pending.append(pool.apply_async(_guarded_call, (fn, item)))
-                if len(pending) >= 2 * workers:
+            try:
+                for item in items:
+                    pending.append(pool.apply_async(_guarded_call, (fn, item)))
+                    if len(pending) >= 2 * workers:
+                        yield pending.popleft().get()
+                while pending:
                     yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
+            except BaseException:
+                # Leaving the `with` terminates the workers. One killed while writing its result keeps the
+                # result queue's lock, and Pool.terminate then waits on that lock forever (seen once in the
+                # test suite, after a worker's failure): let the tasks in flight finish writing first.
+                deadline = time.monotonic() + _DRAIN_S
+                for result in pending:
+                    result.wait(max(0.0, deadline - time.monotonic()))
+                raise
     finally:
         for k, v in saved.items():
             if v is None:
@@ -160,6 +170,8 @@ def ordered_map(
 
 
 _INIT_ERROR: list[BaseException] = []
+_DRAIN_S = 10.0
+"""How long a failing ordered_map waits, in all, for its tasks in flight before terminating the workers."""
 
 
 def _guarded_init(initializer: Callable[..., None] | None, initargs: tuple) -> None:
