@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan) -> dict[str, Any]:
     """Relative errors of the law on baseline points it was not fitted on (see the module docstring). A
-    point is a (size, tokens, unique tokens) triple: its seeds are left out together and their mean loss
-    is what the law predicts. With `seed_sigma` (a run's held-out loss spread over seeds, nats), each point
+    point is a (size, tokens, unique tokens) triple, one row of `point_medians` (the law is fitted to those):
+    its seeds are left out together and their median loss is what the law predicts. With `seed_sigma` (a run's held-out loss spread over seeds, nats), each point
     also gets `noise`: that spread relative to the point's loss, over the square root of its seeds (the
     error a law that were exact would still show there, one standard deviation)."""
     rows = point_medians(baseline)  # one row per point, as the study fits the law
@@ -51,7 +51,6 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
     triples = [tuple(x) for x in np.column_stack([cols["params"], cols["tokens"], cols["unique_tokens"]])]
     points = sorted(triples)
     index = {p: i for i, p in enumerate(triples)}
-    seeds = {p: rows[index[p]]["seeds"] for p in points}
     repeated = [p for p in points if p[1] > p[2] * (1 + 1e-9)]
 
     def predict(train: np.ndarray, test: list[tuple[float, float, float]]) -> np.ndarray:
@@ -78,9 +77,9 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
                 "params": p[0],
                 "unique_tokens": p[2],
                 "epochs": p[1] / p[2],
-                "seeds": seeds[p],
+                "seeds": rows[index[p]]["seeds"],
                 "rel_error": float(q / loss[index[p]] - 1),
-                "noise": float(seed_sigma / loss[index[p]] / math.sqrt(seeds[p])),
+                "noise": float(seed_sigma / loss[index[p]] / math.sqrt(rows[index[p]]["seeds"])),
             }
             for p, q in zip(test, predicted)
         ]
