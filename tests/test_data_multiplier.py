@@ -216,6 +216,15 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
         assert {p.run.depth for p in rope} == {full[0].depth} and {p.run.tokens for p in rope} == {
             full[0].tokens
         }
+    # with a spread sample, a fresh point reads a spread sample of its own tokens once (and the token
+    # after them, the last window's last target), drawn as the capped runs draw theirs
+    spread = plan_data_derisk(dataclasses.replace(dc, set=[*dc.set, "data.unique_sample=spread"]))
+    fresh = [p.run for p in spread if p.stage == "baseline" and p.unique is None]
+    assert len(fresh) == len([p for p in planned if p.stage == "baseline" and p.unique is None])
+    assert all(r.config.data.max_unique_tokens == r.tokens + 1 for r in fresh)
+    assert all(r.config.data.unique_sample == "spread" for r in fresh)
+    capped = {(p.run.name, p.run.config.data.max_unique_tokens) for p in spread if p.unique is not None}
+    assert capped == {(p.run.name, p.run.config.data.max_unique_tokens) for p in planned if p.unique is not None}
     with pytest.raises(ConfigError, match="token_fractions: 0.001 of budget 2e"):
         plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.001, 1.0]))
     with pytest.raises(ConfigError, match=r"token_fractions: give fractions in \(0, 1\]"):

@@ -71,7 +71,8 @@ class TokenStream:
 
     `max_tokens` caps the stream at that many tokens: the split's first ones (`sample="first"`), or
     (`sample="spread"`) blocks of `block` tokens whose starts are spaced evenly over the whole split, read
-    one after another as one stream (offsets, `locate` and `document_of` take the stream's offsets).
+    one after another as one stream (offsets, `locate` and `document_of` take the stream's offsets). A
+    training window over one whole block reads its last target where the block's text goes on (`_pieces`).
     """
 
     def __init__(
@@ -219,9 +220,14 @@ class TokenStream:
         return block * self._stride + within
 
     def _pieces(self, start: int, length: int) -> list[tuple[int, int]]:
-        """Stream tokens [start, start+length) as (split offset, count) pieces, one per block crossed."""
+        """Stream tokens [start, start+length) as (split offset, count) pieces, one per block crossed; a read
+        of one block and one token more from a block's start (a training window over its block: its inputs
+        and targets) is one piece of the split, its last target the token that follows the block in the
+        text, not the first of the next block (taken from elsewhere, a random token to predict)."""
         if not self._stride:
             return [(start, length)]
+        if length == self._block + 1 and start % self._block == 0:
+            return [(self._physical(start), length)]
         pieces = []
         while length > 0:
             take = min(length, self._block - start % self._block)

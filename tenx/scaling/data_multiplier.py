@@ -5,8 +5,9 @@ The baseline is trained at every budget (each budget is one scale: the ladder's 
 depth N and it trains D = budget / F tokens), and on each of `token_fractions` of those tokens, on fresh data
 and under each unique-token budget U of `unique_tokens` below them, so a run repeats its data D/U times. Its
 runs at one scale share the batch size and differ in schedule length only. A capped run reads the U tokens
-the run's `data.unique_sample` picks (the shipped study: 'spread', blocks from every part of the split, so
-that one epoch of U is a sample of the same data the fresh runs read). Muennighoff et al. (2023)'s
+the run's `data.unique_sample` picks (the shipped study: 'spread', one training sequence from each of many
+places of the split); with 'spread', a fresh point reads a spread sample of its own D tokens once, so that
+it differs from a capped run in repetition alone. Muennighoff et al. (2023)'s
 data-constrained law
 
     L(N, D, U) = E + A/N^alpha + B/D'^beta,   D' = U + U R* (1 - exp(-R/R*)),  R = D/U - 1
@@ -115,6 +116,13 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
                     f"token_fractions: {fraction:g} of budget {scale:.3g} at depth {depths[scale]} is too "
                     f"short a run ({e}); raise the fraction or lower ladder.min_steps"
                 ) from None
+            if base.data.unique_sample == "spread":
+                # a fresh point reads a spread sample of its own tokens once (one more token: the last
+                # window's last target), drawn as a capped run draws its U, so that the two differ in
+                # repetition alone; random windows of the whole split are another sample (stratified
+                # against not), which the law would read as a cost or a gain of repetition
+                once = dataclasses.replace(part, unique_tokens=fresh[0].tokens + 1)
+                fresh = plan_ladder(base, once, _tag("baseline", None))
             planned += [DataRun("baseline", scale, None, r, fraction) for r in fresh]
             for u in sorted(set(dc.unique_tokens)):
                 if u >= fresh[0].tokens:  # reads each token at most once: the fresh run is that point
