@@ -2,11 +2,17 @@
 
 The corpus is generated from a seeded RNG (not the interpreter's standard library, which differs between
 Python versions), prepared with the byte tokenizer, and trained fp32 with seed 0 on one thread. The losses
-were recorded on the tree before the restructuring (`tests/fixtures/tiny_losses.json`). On a CPU of the
-kind that recorded them they must match bitwise; another CPU kind may round fp32 matmuls differently
-(AVX-512 against AVX2 kernels), so there they must match to 1e-5 relative.
+are kept per CPU kind (torch version and the vector extensions its kernels pick: AVX2, AVX-512, AVX-512
+bf16, AMX) in `tests/fixtures/tiny_losses.json`: an AMD EPYC's recorded on the tree before the
+restructuring, an AMX Xeon's later on a tree that matched those within the tolerance below. On a recorded
+kind they must match bitwise. Another kind rounds fp32 matmuls differently, and training amplifies that:
+an AMX Xeon's losses were within 1e-6 relative of an AVX-512 EPYC's for 10 steps, then up to 1.4e-5 by
+step 16 and 5e-4 by step 19. So on a kind not recorded the first 10 losses must match to 1e-5 relative and
+the rest to 2e-3, ten times below what a small change to training moves (on the Xeon: a 10% higher
+learning rate moved steps 11-30 by up to 2.1e-2, doubling the weight decay by 2.6e-2).
 
-Regenerate (only when a change is *meant* to alter training): `python tests/test_behaviour_unchanged.py`.
+Record this CPU kind (or re-record it, only when a change is *meant* to alter training):
+`python tests/test_behaviour_unchanged.py`; `--all` drops the other kinds' records (after such a change).
 """
 
 from __future__ import annotations
@@ -85,19 +91,28 @@ def tiny_losses(tmp: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r and "skipped" not in r][:STEPS]
 
 
+def _records() -> dict[str, list[float]]:
+    return json.loads(FIXTURE.read_text())["losses_by_cpu_kind"]
+
+
 def test_first_30_losses_of_tiny_are_unchanged(tmp_path):
-    recorded = json.loads(FIXTURE.read_text())
+    records = _records()
     threads = torch.get_num_threads()
     try:
         losses = tiny_losses(tmp_path)
     finally:
         torch.set_num_threads(threads)
     assert len(losses) == STEPS
-    if recorded["cpu_kind"] == _cpu_kind():
-        assert losses == recorded["losses"], "training changed: the losses differ from the recorded ones"
+    kind = _cpu_kind()
+    if kind in records:
+        assert losses == records[kind], (
+            f"training changed: the losses differ from the ones recorded on {kind}"
+        )
     else:
-        for got, want in zip(losses, recorded["losses"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        for want in records.values():
+            for step, (got, recorded) in enumerate(zip(losses, want), 1):
+                tolerance = 1e-5 if step <= 10 else 2e-3
+                assert abs(got - recorded) <= tolerance * abs(recorded), (step, got, recorded)
 
 
 if __name__ == "__main__":
@@ -105,6 +120,12 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         values = tiny_losses(Path(d))
+    records = {} if "--all" in sys.argv[1:] or not FIXTURE.exists() else _records()
+    records[_cpu_kind()] = values
     FIXTURE.parent.mkdir(exist_ok=True)
-    FIXTURE.write_text(json.dumps({"cpu_kind": _cpu_kind(), "losses": values}, indent=1) + "\n")
-    print(f"wrote {FIXTURE}: {len(values)} losses", file=sys.stderr)
+    tmp = FIXTURE.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"losses_by_cpu_kind": records}, indent=1) + "\n")
+    tmp.replace(FIXTURE)
+    print(
+        f"wrote {FIXTURE}: {len(values)} losses for {_cpu_kind()}; kinds: {sorted(records)}", file=sys.stderr
+    )

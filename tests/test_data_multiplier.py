@@ -224,7 +224,9 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
     assert all(r.config.data.max_unique_tokens == r.tokens + 1 for r in fresh)
     assert all(r.config.data.unique_sample == "spread" for r in fresh)
     capped = {(p.run.name, p.run.config.data.max_unique_tokens) for p in spread if p.unique is not None}
-    assert capped == {(p.run.name, p.run.config.data.max_unique_tokens) for p in planned if p.unique is not None}
+    assert capped == {
+        (p.run.name, p.run.config.data.max_unique_tokens) for p in planned if p.unique is not None
+    }
     with pytest.raises(ConfigError, match="token_fractions: 0.001 of budget 2e"):
         plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.001, 1.0]))
     with pytest.raises(ConfigError, match=r"token_fractions: give fractions in \(0, 1\]"):
