@@ -52,6 +52,9 @@ from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 SHOWN = (0.01, 100.0)
 """The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
+MIN_CAPPED_EPOCHS = 1.05
+"""A capped run is planned only where it reads its U tokens at least this many times: below, it would be
+its fresh twin (both read a spread sample of about their tokens once) trained again, to the same point."""
 LAW_PARAMS = ("E", "A", "B", "alpha", "beta", "R_D_star")
 """The data-constrained law's parameters, in FitResult's column order."""
 
@@ -125,7 +128,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
                 fresh = plan_ladder(base, once, _tag("baseline", None))
             planned += [DataRun("baseline", scale, None, r, fraction) for r in fresh]
             for u in sorted(set(dc.unique_tokens)):
-                if u >= fresh[0].tokens:  # reads each token at most once: the fresh run is that point
+                if fresh[0].tokens < u * MIN_CAPPED_EPOCHS:  # (almost) no token read twice: the fresh run
                     continue
                 capped = dataclasses.replace(part, unique_tokens=u)
                 planned += [
@@ -447,7 +450,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     baseline: list[dict[str, Any]] = []
     changes: dict[str, list[dict[str, Any]]] = {c.name: [] for c in dc.change}
     for i, p in enumerate(planned, 1):
-        row = run_one(p.run, out / "ladder", dc.ladder)
+        row = run_one(p.run, out / "ladder", dc.ladder, splits=("heldout",))  # the split the law reads
         state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
         print(
             f"[{i}/{len(planned)}] {p.run.name}: {row['epochs']:.3g} epochs, held-out "

@@ -152,8 +152,14 @@ def _spread_documents(texts: list[str], max_bytes: int) -> list[str]:
     return [texts[i] for i in sorted(picked)]
 
 
-def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, Any]]:
-    """Loss and bits per byte of a finished run's final checkpoint on the val and held-out splits."""
+EVAL_SPLITS = ("val", "heldout")
+"""The splits a ladder run is scored on, by default."""
+
+
+def evaluate_run(
+    run_dir: str | Path, eval_bytes: int, splits: tuple[str, ...] = EVAL_SPLITS
+) -> dict[str, dict[str, Any]]:
+    """Loss and bits per byte of a finished run's final checkpoint on each of `splits` (val, heldout)."""
     from tenx.data.manifest import read_manifest, split_documents_text
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.bpb import eval_texts
@@ -167,7 +173,7 @@ def evaluate_run(run_dir: str | Path, eval_bytes: int) -> dict[str, dict[str, An
     device = next(loaded.model.parameters()).device
     amp = resolve_precision("auto", device)
     out = {}
-    for split in ("val", "heldout"):
+    for split in splits:
         texts = _spread_documents(list(split_documents_text(data_dir, manifest, split, tok)), eval_bytes)
         out[split] = eval_texts(loaded.model, texts, tok, batch_size=16, amp_dtype=amp)
     return out
@@ -249,8 +255,11 @@ def run_one(
     command: str = "",
     progress_every_s: float | None = PROGRESS_EVERY_S,
     callbacks: list[Callback] | None = None,
+    splits: tuple[str, ...] = EVAL_SPLITS,
 ) -> dict[str, Any]:
-    """Train (or resume, or reuse) one planned run, evaluate it and record its row in results.jsonl.
+    """Train (or resume, or reuse) one planned run, evaluate it on `splits` and record its row in
+    results.jsonl (a split not scored has None for its loss and bits per byte; a reused row keeps what it
+    was scored on).
 
     While it trains a line every `progress_every_s` seconds says how far it is (None: no lines), headed by
     `label` (default: the run's name). `command` is the ladder's own command, which a stop signal's message
@@ -294,7 +303,7 @@ def run_one(
     metrics = read_jsonl(rd.metrics)
     plot_loss_curve(rd.metrics, rd.loss_curve, run.name)
     t1 = time.perf_counter()
-    ev = evaluate_run(run_dir, lc.eval_bytes)
+    ev = evaluate_run(run_dir, lc.eval_bytes, splits)
     eval_s = time.perf_counter() - t1
     train_tokens = _train_tokens(run.config)
     unique = min(run.unique_tokens or train_tokens, train_tokens)
@@ -306,10 +315,8 @@ def run_one(
         "epochs": run.tokens / unique,
         "family": run.config.model.family,
         "train_loss": metrics[-1]["loss"],
-        "val_loss": ev["val"]["loss"],
-        "val_bpb": ev["val"]["bits_per_byte"],
-        "heldout_loss": ev["heldout"]["loss"],
-        "heldout_bpb": ev["heldout"]["bits_per_byte"],
+        **{f"{split}_loss": ev[split]["loss"] if split in ev else None for split in EVAL_SPLITS},
+        **{f"{split}_bpb": ev[split]["bits_per_byte"] if split in ev else None for split in EVAL_SPLITS},
         "eval_bytes": {k: v["bytes"] for k, v in ev.items()},
         "step_time_s": sum(m.get("step_time_s", 0.0) for m in metrics),
         "wall_s": time.perf_counter() - t0,
