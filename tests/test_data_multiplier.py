@@ -14,6 +14,7 @@ from tenx.cli import main
 from tenx.errors import ConfigError
 from tenx.scaling.data_multiplier import (
     LAW_PARAMS,
+    MIN_CAPPED_EPOCHS,
     analyse_data,
     data_needed,
     effective_data_multiplier,
@@ -205,8 +206,9 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
             )
             caps = sorted(r.config.data.max_unique_tokens or 0 for r in runs)
             seeds = 2 if scale == min(dc.budgets) else 1  # every baseline run of the smallest scale
-            # fresh, and each U below the run's tokens (a U it would read at most once is the fresh run)
-            assert caps == sorted([0, *(u for u in (20_000, 40_000) if u < runs[0].tokens)] * seeds)
+            # fresh, and each U its tokens repeat (a U it would read about once is the fresh run)
+            repeated = [u for u in (20_000, 40_000) if u * MIN_CAPPED_EPOCHS <= runs[0].tokens]
+            assert caps == sorted([0, *repeated] * seeds)
         assert all(r.config.model.pos != "rope" for r in (p.run for p in base))
         rope = [p for p in planned if p.stage == "rope" and p.scale == scale]
         seeds = 2 if scale == min(dc.budgets) else 1
@@ -227,6 +229,17 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
     assert capped == {
         (p.run.name, p.run.config.data.max_unique_tokens) for p in planned if p.unique is not None
     }
+    # a U the run would repeat under 5% is not trained: it is the fresh point again; one it repeats 20% is
+    smallest = min(p.run.tokens for p in planned if p.stage == "baseline" and p.fraction == 1.0)
+    near, far = int(smallest / 1.02), int(smallest / 1.2)
+    caps = {
+        p.run.config.data.max_unique_tokens
+        for p in plan_data_derisk(
+            dataclasses.replace(dc, unique_tokens=[near, far], compare_unique_tokens=far)
+        )
+        if p.stage == "baseline" and p.run.tokens == smallest
+    }
+    assert caps == {None, far} and MIN_CAPPED_EPOCHS == 1.05
     with pytest.raises(ConfigError, match="token_fractions: 0.001 of budget 2e"):
         plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.001, 1.0]))
     with pytest.raises(ConfigError, match=r"token_fractions: give fractions in \(0, 1\]"):
@@ -330,6 +343,11 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
     assert len(rope["multipliers"]) == 2 and len(rope["low"]) == 2
     assert rope["verdict"] in ("grows", "persists", "fades", "reverses", "hurts", "unresolved")
     assert "| rope |" in (out / "report.md").read_text() and (out / "report.png").stat().st_size > 10000
+    rows = [json.loads(line) for line in (out / "ladder" / "results.jsonl").read_text().splitlines()]
+    # scored on the held-out split alone: the one the law and the multipliers read
+    assert all(
+        r["heldout_loss"] > 0 and r["val_loss"] is None and set(r["eval_bytes"]) == {"heldout"} for r in rows
+    )
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("(reused)") == 14
 
