@@ -118,14 +118,14 @@ def test_first_30_losses_of_tiny_are_unchanged(tmp_path):
 if __name__ == "__main__":
     import tempfile
 
+    from tenx.utils.io import atomic_write_text
+
     with tempfile.TemporaryDirectory() as d:
         values = tiny_losses(Path(d))
     records = {} if "--all" in sys.argv[1:] or not FIXTURE.exists() else _records()
     records[_cpu_kind()] = values
     FIXTURE.parent.mkdir(exist_ok=True)
-    tmp = FIXTURE.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"losses_by_cpu_kind": records}, indent=1) + "\n")
-    tmp.replace(FIXTURE)
+    atomic_write_text(FIXTURE, json.dumps({"losses_by_cpu_kind": records}, indent=1) + "\n")
     print(
         f"wrote {FIXTURE}: {len(values)} losses for {_cpu_kind()}; kinds: {sorted(records)}", file=sys.stderr
     )
