@@ -40,6 +40,7 @@ cores (tests/test_gpu_check.py). It exits with 1 when an entry fails, and then k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -73,6 +74,7 @@ SHAPES = ("gpt2-d12", "llama-1b", "llama-1b-fp8")
 timed against the same bf16 reference; skipped with the reason where the device has no fp8 tensor cores)."""
 SKIPPABLE = {"ddp", "fsdp", "export-load"}  # entries that may read "skipped: REASON" on some machines
 MARKER = "GPU_CHECK_SHAPE "
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)\b(:|$)")
 
 LOAD_EXPORT = """
@@ -88,14 +90,26 @@ with torch.no_grad():
 """
 
 
+def exited(pid: int, timeout: float) -> bool:
+    """Whether child `pid` exited within `timeout` seconds; it is left unreaped (os.waitid's WNOWAIT)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 class CheckFailed(Exception):
     """An entry's one-line reason."""
 
 
 def first_error(stderr: str, stdout: str, returncode: int | None) -> str:
     """The line that says what went wrong: tenx's own error line, else the exception's line (not torchrun's
-    ChildFailedError, which only says a rank failed), else the last line printed."""
-    lines = [s.strip() for s in (stderr + "\n" + stdout).splitlines() if s.strip()]
+    ChildFailedError, which only says a rank failed; without the `[rankN]: ` torchrun puts before a rank's
+    lines), else the last line printed."""
+    lines = [RANK_PREFIX.sub("", s.strip()) for s in (stderr + "\n" + stdout).splitlines() if s.strip()]
     for want in (lambda s: s.startswith("tenx: error"), lambda s: bool(EXCEPTION_LINE.match(s))):
         found = [s for s in lines if want(s) and "ChildFailedError" not in s]
         if found:
@@ -139,25 +153,24 @@ class Context:
     ) -> subprocess.CompletedProcess[str]:
         """Run `cmd`, its output kept in logs/LOG.log; CheckFailed (its first error line) unless it exits
         with `returncode` (None: any non-zero code, a failure the check injected)."""
-        limit, timed_out = timeout or self.timeout, False
+        limit = timeout or self.timeout
         logs = self.work / "logs"
         logs.mkdir(exist_ok=True)
-        # a session of its own: a timeout ends the whole tree (torchrun's ranks, a supervisor's child)
-        with subprocess.Popen(
-            cmd,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        ) as proc:
-            try:
-                stdout, stderr = proc.communicate(timeout=limit)
-            except subprocess.TimeoutExpired:
+        # a session of its own: a timeout ends the whole tree (torchrun's ranks, a supervisor's child). The
+        # output goes to files, not pipes, and the command is done when its own process exits: a descendant
+        # that outlives it (a compile worker holding an inherited stderr) cannot keep the check waiting for
+        # the pipes' end; what is left of its session is ended then.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(
+                cmd, env=self.env, stdout=out, stderr=err, text=True, start_new_session=True
+            )
+            timed_out = not exited(proc.pid, limit)
+            with contextlib.suppress(ProcessLookupError):  # before reaping it: its group id is still its own
                 os.killpg(proc.pid, signal.SIGKILL)
-                timed_out = True
-                stdout, stderr = proc.communicate()
-            done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+            proc.wait()
+            out.seek(0)
+            err.seek(0)
+            done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
         (logs / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n--- stderr ---\n{done.stderr}")
         if timed_out:
             raise CheckFailed(f"{log}: timed out after {limit:.0f} s")
@@ -660,7 +673,9 @@ def main() -> None:
 
     if args.shape:
         data = Path(args.data or "runs/data/stdlib")
+        start = time.perf_counter()
         record = measure_shape(args.shape, device, args.steps, args.skip, device.type == "cpu", data)
+        record["throughput"]["seconds"] = round(time.perf_counter() - start, 1)  # measuring, not start or exit
         print(MARKER + json.dumps(record))
         return
 

@@ -96,6 +96,11 @@ def test_an_entry_is_the_line_that_says_what_went_wrong(gpu_check):
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
     )
     assert gpu_check.first_error(torchrun, "", 1) == "RuntimeError: rank 1 broke"
+    ranks = (
+        "[rank0]: Traceback (most recent call last):\n[rank0]: NameError: name 'x' is not defined\n"
+        + "=" * 60
+    )
+    assert gpu_check.first_error(ranks, "", 1) == "NameError: name 'x' is not defined"  # not the rule line
     assert gpu_check.first_error("", "last words\n", 3) == "last words"
     assert gpu_check.first_error("", "", -9) == "exit code -9"
 
@@ -120,3 +125,27 @@ def test_a_failed_need_is_named_and_a_skip_is_kept(gpu_check, tmp_path):
         "c": "skipped: needs 2 GPUs",
         "d": "pass",
     }
+
+
+def test_a_command_is_done_when_it_exits_and_its_leftovers_are_ended(gpu_check, tmp_path):
+    """A descendant that outlives the command and holds its stdout (as a compile worker may) neither keeps
+    the check waiting until the timeout nor survives it; a command that outlives the timeout fails by name."""
+    import time
+
+    import torch
+
+    ctx = gpu_check.Context(tmp_path, torch.device("cpu"), 20.0, dict(os.environ))
+    leaves = "import subprocess, sys; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True)"
+    start = time.monotonic()
+    done = ctx.process("leaves", [sys.executable, "-c", leaves])
+    assert time.monotonic() - start < 10
+    child = int(done.stdout.split()[0])
+    for _ in range(100):  # SIGKILLed; reaped by init once it is gone
+        if not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the command's leftover process {child} is still running")
+    assert done.returncode == 0 and (tmp_path / "logs" / "leaves.log").read_text().count(str(child)) == 1
+    with pytest.raises(gpu_check.CheckFailed, match="slow: timed out after 1 s"):
+        ctx.process("slow", [sys.executable, "-c", "import time; time.sleep(30)"], timeout=1.0)

@@ -19,6 +19,7 @@ from tenx.train.run import train
 from tenx.triage.bisect import bisect_step, run_repro
 from tenx.triage.classify import format_causes, triage
 from tenx.triage.incident_store import list_incidents
+from tenx.triage.outcome import outcome_of_crash
 from tenx.triage.replay import replay
 
 BASE = ("train.steps=12", "checkpoint.every=5", "train.eval_every=0", "train.threads=1")
@@ -114,6 +115,76 @@ def test_op_bug_is_named_with_the_data_that_triggers_it(tiny_data, tiny_config, 
     # the smallest slice that triggers it, not the whole batch's log-probabilities (8x64 rows of 256)
     assert (repro.parent / "inputs.safetensors").stat().st_size < 64 * 256 * 4
     assert_rundir_names_every_file(run_dir)
+
+
+def probe_only_data(root: Path, tiny_config) -> Path:
+    """Two data sources of random words, whose validation documents alone hold runs of 30 identical bytes
+    (`x`), padded so that the first run in the statistics' probe batch starts where the op-bug crashes
+    (its flat offset % 3 == 2): no training batch can trigger the bug, the probe's loss per source does."""
+    import random
+
+    from tenx.data.loader import sequential_windows, train_stream
+    from tenx.data.prepare.pipeline import PrepareConfig, assign_split, prepare
+    from tenx.train.parts import validation_stream
+
+    for pad in range(6):
+        rng = random.Random(0)
+        corpus, out = root / f"corpus{pad}", root / f"data{pad}"
+        for source in ("a", "b"):
+            (corpus / source).mkdir(parents=True)
+            for i in range(12):
+                doc = f"{source}/{i:02d}.txt"
+                if assign_split(doc, 0, 0.25, 0.1) == "val":
+                    text = "-" * pad + ("x" * 30 + " ab ") * 60
+                else:
+                    text = " ".join(
+                        "".join(rng.choices("abcdefghij", k=rng.randint(3, 9))) for _ in range(500)
+                    )
+                (corpus / doc).write_text(text + "\n")
+        prepare(
+            PrepareConfig(
+                source=str(corpus), out=str(out), tokenizer="bytes", val_ratio=0.25, heldout_ratio=0.1
+            ),
+            progress=False,
+        )
+        cfg = tiny_config(out)
+        val = validation_stream(cfg, train_stream(cfg.data, 64).manifest, 64)
+        assert val is not None
+        _, targets = next(iter(sequential_windows(val, 64, cfg.train.micro_batch, 1)))
+        if longest_runs(targets, 24)[0][0] % 3 == 2:
+            return out
+    raise AssertionError("no padding puts the probe's first run where the op-bug crashes")
+
+
+def test_an_op_bug_in_the_statistics_probe_is_a_library_op_not_hardware(tiny_config, tmp_path):
+    """The op-bug crashes only in the statistics' probe forward (the loss per data source, at step 4), never in
+    the step's own loss: replay runs the probe where the run did, so the crash reproduces and bisection names
+    the operator. Replaying the step without the probe called this crash a transient hardware fault (on an
+    H200, whose Python 3.12 standard library put a run of 24 spaces in gpu_check's probe batch)."""
+    data = probe_only_data(tmp_path, tiny_config)
+    run_dir = run(
+        data,
+        tiny_config,
+        tmp_path / "probe",
+        "monitor.stats_every=4",
+        "faults.inject=['op-bug@step=1,run=24']",
+        expect_error=True,
+    )
+    (crash,) = [e for e in read_events(run_dir) if e.get("kind") == "crash"]
+    assert crash["step"] == 4 and any("source_loss" in f for f in crash["frames"])
+    rep = replay(run_dir, 4, repeat=2, recorded=outcome_of_crash(crash))
+    assert rep.verdict == "reproduces" and rep.outcomes[0].exception == "RuntimeError"
+    incidents, causes, _ = triage([run_dir])
+    assert [(i.kind, i.verdict) for i in incidents] == [("crash", "library-op")], incidents[0].evidence
+    assert [(c.verdict, c.op) for c in causes] == [("library-op", "aten.nll_loss_forward")]
+    assert incidents[0].evidence["trigger"] == {
+        "kind": "identical-run",
+        "name": "target",
+        "length": 24,
+        "value": 120,
+    }
+    assert "source_loss" in incidents[0].evidence["summary"]
+    assert run_repro(Path(incidents[0].evidence["repro"]).parent) == 1
 
 
 def assert_rundir_names_every_file(run_dir: Path) -> None:

@@ -71,13 +71,15 @@ def probe_sources(stream: TokenStream, windows: np.ndarray, seq_len: int) -> tup
 def loss_by_source(
     logits_BTV: torch.Tensor, targets_BT: torch.Tensor, index_BT: torch.Tensor, n: int
 ) -> torch.Tensor:
-    """The mean cross-entropy (nats/token, fp32) of the tokens of each of `n` sources, as an n-vector on the
-    logits' device, without a host synchronisation. `targets_BT` and `index_BT` (each target's source, -1
-    for none) are on the same device. A source without tokens is NaN."""
-    nll_N = F.cross_entropy(logits_BTV.detach().float().flatten(0, 1), targets_BT.flatten(), reduction="none")
+    """The mean cross-entropy (nats/token, fp32; float64 logits stay float64) of the tokens of each of `n`
+    sources, as an n-vector on the logits' device, without a host synchronisation. `targets_BT` and
+    `index_BT` (each target's source, -1 for none) are on the same device. A source without tokens is NaN."""
+    logits_NV = logits_BTV.detach().flatten(0, 1)
+    logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
+    nll_N = F.cross_entropy(logits_NV, targets_BT.flatten(), reduction="none")
     bucket_N = torch.where(index_BT.flatten() < 0, n, index_BT.flatten())  # unknown: a bucket left out
-    sums = torch.zeros(n + 1, dtype=torch.float32, device=nll_N.device).index_add_(0, bucket_N, nll_N)
-    counts = torch.zeros(n + 1, dtype=torch.float32, device=nll_N.device).index_add_(
+    sums = torch.zeros(n + 1, dtype=nll_N.dtype, device=nll_N.device).index_add_(0, bucket_N, nll_N)
+    counts = torch.zeros(n + 1, dtype=nll_N.dtype, device=nll_N.device).index_add_(
         0, bucket_N, torch.ones_like(nll_N)
     )
     return (sums / counts)[:n]

@@ -81,6 +81,12 @@ def run_shape(cfg: RunConfig, vocab: int, data_parallel: int) -> RunShape:
     )
 
 
+def validation_stream(cfg: RunConfig, manifest: dict[str, Any], seq_len: int) -> TokenStream | None:
+    """The run's validation split (`data.val_split`), None when it holds no more than one window's tokens."""
+    val_tokens = manifest["splits"].get(cfg.data.val_split, {}).get("tokens", 0)
+    return TokenStream(cfg.data.dir, cfg.data.val_split, cfg.data.verify) if val_tokens > seq_len else None
+
+
 @dataclass
 class ModelParts:
     """A run's trained state as it starts: the model, its parallel form, the optimizer and the guard."""
@@ -283,12 +289,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
     data_parallel = env.world_size * groups
     shape = run_shape(cfg, int(manifest["tokenizer"]["vocab_size"]), data_parallel)
     model_cfg = shape.model_cfg
-    val_tokens = manifest["splits"].get(cfg.data.val_split, {}).get("tokens", 0)
-    val_stream = (
-        TokenStream(cfg.data.dir, cfg.data.val_split, cfg.data.verify)
-        if val_tokens > model_cfg.seq_len
-        else None
-    )
+    val_stream = validation_stream(cfg, manifest, model_cfg.seq_len)
     loader = TokenLoader(
         train_stream,
         model_cfg.seq_len,

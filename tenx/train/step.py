@@ -64,8 +64,8 @@ class StepHooks:
     loss_dtype: torch.dtype = torch.float32
     """The dtype of the loss and the loss sum (float64 on replay's reference path)."""
     catch_errors: bool = False
-    """Return an exception a forward or backward raises as the result (replay compares it with a recorded
-    crash) instead of raising it; a DataError (the data, not the step) is raised all the same."""
+    """Return an exception a forward, a backward or `reduce` raises as the result (replay compares it with a
+    recorded crash) instead of raising it; a DataError (the data, not the step) is raised all the same."""
 
 
 @dataclass
@@ -130,13 +130,13 @@ def take_step(
                 if ranks > 1:
                     grads.append([p.grad.detach().clone() if p.grad is not None else None for p in params])
                     optimizer.zero_grad(set_to_none=True)
+        loss_sum = losses[0] if ranks == 1 else _average_ranks(losses, grads, params)
+        loss_sum = hooks.reduce(loss_sum)
     except Exception as error:
         if not hooks.catch_errors or isinstance(error, DataError):
             raise
         optimizer.zero_grad(set_to_none=True)
         return StepResult(lr, error=error)
-    loss_sum = losses[0] if ranks == 1 else _average_ranks(losses, grads, params)
-    loss_sum = hooks.reduce(loss_sum)
     clip = optim.grad_clip if optim.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
     # the step's one wait for the device: both figures in one copy (stack promotes to the wider dtype, and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tenx.train.callbacks.record import step_digest
@@ -62,3 +62,38 @@ def outcome_of_crash(event: dict[str, Any]) -> StepOutcome:
         message=str(event.get("message", "")),
         frames=[str(f) for f in event.get("frames") or []],
     )
+
+
+@dataclass
+class ReplayReport:
+    """The result of `replay`."""
+
+    run_dir: str
+    step: int
+    checkpoint: str | None
+    """The checkpoint the state was rebuilt from (None: the seeded initialisation)."""
+    recorded: StepOutcome | None
+    outcomes: list[StepOutcome]
+    verdict: str
+    bitwise: bool
+    notes: list[str] = field(default_factory=list)
+    first_divergent: int | None = None
+    """The first re-executed step (before N) whose outcome differed from its record."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        source = self.checkpoint or "the seeded initialisation"
+        lines = [f"tenx replay: step {self.step} of {self.run_dir}, rebuilt from {source}"]
+        if self.recorded is not None:
+            lines.append(f"  recorded : {self.recorded.describe()}")
+        for i, outcome in enumerate(self.outcomes):
+            lines.append(f"  replay {i + 1} : {outcome.describe()}")
+        lines.append(f"  verdict  : {self.verdict}" + ("" if self.bitwise else " (within tolerance)"))
+        if self.first_divergent is not None:
+            lines.append(f"  step {self.first_divergent} already differed from its record when re-executed")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  {self.seconds:.1f} s")
+        return "\n".join(lines)

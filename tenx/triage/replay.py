@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,52 +51,18 @@ from tenx.model.transformer import Transformer
 from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug
 from tenx.train.callbacks.record import error_frames, read_steps, step_digest
+from tenx.train.callbacks.stats import ModelProbe
 from tenx.train.config import RunConfig, load_run_config
 from tenx.train.float8 import restore_plain_linears
 from tenx.train.guard import StepGuard
-from tenx.train.parts import build_model_parts, run_shape
+from tenx.train.parts import build_model_parts, run_shape, validation_stream
 from tenx.train.step import StepHooks, take_step
-from tenx.triage.outcome import StepOutcome, outcome_of_record
+from tenx.triage.outcome import ReplayReport, StepOutcome, outcome_of_record
 from tenx.utils.io import read_json_object
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-9}
 """Relative tolerance for comparing a loss or gradient norm when a replay cannot be bitwise."""
-
-
-@dataclass
-class ReplayReport:
-    """The result of `replay`."""
-
-    run_dir: str
-    step: int
-    checkpoint: str | None
-    """The checkpoint the state was rebuilt from (None: the seeded initialisation)."""
-    recorded: StepOutcome | None
-    outcomes: list[StepOutcome]
-    verdict: str
-    bitwise: bool
-    notes: list[str] = field(default_factory=list)
-    first_divergent: int | None = None
-    """The first re-executed step (before N) whose outcome differed from its record."""
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def text(self) -> str:
-        source = self.checkpoint or "the seeded initialisation"
-        lines = [f"tenx replay: step {self.step} of {self.run_dir}, rebuilt from {source}"]
-        if self.recorded is not None:
-            lines.append(f"  recorded : {self.recorded.describe()}")
-        for i, outcome in enumerate(self.outcomes):
-            lines.append(f"  replay {i + 1} : {outcome.describe()}")
-        lines.append(f"  verdict  : {self.verdict}" + ("" if self.bitwise else " (within tolerance)"))
-        if self.first_divergent is not None:
-            lines.append(f"  step {self.first_divergent} already differed from its record when re-executed")
-        lines += [f"  note: {n}" for n in self.notes]
-        lines.append(f"  {self.seconds:.1f} s")
-        return "\n".join(lines)
 
 
 class Replayer:
@@ -162,6 +127,7 @@ class Replayer:
         self.op_bugs = [parse_fault(t) for t in self.cfg.faults.inject if t.strip().startswith("op-bug@")]
         self.records = [self._checked(i, r) for i, r in enumerate(read_steps(self.rundir.steps))]
         self.model: Transformer | None = None
+        self.probe: ModelProbe | None = None  # the statistics' probe batch, built when a step needs it
         self.guard = StepGuard(self.cfg.guard)
 
     def _check_unchanged(self, prov: dict[str, Any]) -> None:
@@ -439,6 +405,7 @@ class Replayer:
                 forward_context=self._forward_context,
                 loop_context=lambda: self._executing(capture),
                 loss_dtype=self._loss_dtype,
+                reduce=lambda loss_sum: self._pre_optim_step(step, loss_sum, capture),
                 catch_errors=True,
             ),
             apply=apply,
@@ -469,6 +436,24 @@ class Replayer:
         with self.library(), capture() if capture else contextlib.nullcontext():
             yield
 
+    def _pre_optim_step(
+        self,
+        step: int,
+        loss_sum: torch.Tensor,
+        capture: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    ) -> torch.Tensor:
+        """Where the trainer's statistics ran their probe forward (every `monitor.stats_every`-th step), run
+        it too, under the run's library and `capture`: an operator may fail there, not in the step's loss."""
+        every = self.cfg.monitor.stats_every
+        if every > 0 and step % every == 0:
+            assert self.model is not None
+            if self.probe is None:
+                val = validation_stream(self.cfg, self.stream.manifest, self.seq_len)
+                self.probe = ModelProbe(self.stream, val, self.seq_len, self.micro_batch, self.device)
+            with self._executing(capture):
+                self.probe.figures(self.model, self._forward_context)
+        return loss_sum
+
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:
         """Around each forward pass: autocast as the run had it; math attention on the reference path."""
@@ -484,6 +469,7 @@ class Replayer:
         the CPU from MPS, which has no float64)."""
         assert self.model is not None
         self.reference, self.amp_dtype, self.bitwise = True, torch.float64, False
+        self.probe = None  # rebuilt on the reference path's device
         trained_on, device = self.device, float64_device(self.device)
         if device != trained_on:
             self.notes.append(f"{trained_on.type} has no float64: the reference path ran on the CPU")

@@ -28,11 +28,14 @@ wrapper is built with DDP's default `broadcast_buffers=True`): the ranks meet th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from tenx.data.loader import sequential_windows, spread_windows
+from tenx.data.loader import TokenStream, sequential_windows, spread_windows
+from tenx.model.transformer import Transformer
 from tenx.monitor.internals import (
     activation_moments,
     group_sums,
@@ -84,6 +87,67 @@ class _Clock:
         return end - self.start
 
 
+class ModelProbe:
+    """The statistics' probe: one forward without gradients on a fixed micro-batch of `rows` windows of the
+    validation split (of the training split when there is none). Replay (tenx.triage.replay) runs it on
+    the steps where the run did, since it is part of what those steps executed."""
+
+    def __init__(
+        self,
+        train_stream: TokenStream,
+        val_stream: TokenStream | None,
+        seq_len: int,
+        rows: int,
+        device: torch.device,
+    ) -> None:
+        stream = val_stream if val_stream is not None else train_stream
+        inputs, targets = next(iter(sequential_windows(stream, seq_len, rows, 1)))
+        self.inputs = inputs.to(device)
+        self.sources: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+        """On validation data with data sources (tenx.monitor.source_loss): their names, the targets and
+        each target's source."""
+        if val_stream is not None:  # the loss per data source, of validation tokens only
+            windows = spread_windows(len(stream), seq_len, rows)  # the windows of the probe's rows
+            names, index = probe_sources(stream, windows, seq_len)
+            if names:
+                self.sources = (names, targets.to(device), torch.from_numpy(index).to(device))
+
+    @torch.no_grad()
+    def figures(
+        self, model: Transformer, autocast: Callable[[], AbstractContextManager[Any]]
+    ) -> torch.Tensor:
+        """The output logits' statistics, then each block's activation moments and largest attention logit
+        (4 figures a block), then the loss of each data source: one vector on the model's device."""
+        moments: dict[int, torch.Tensor] = {}
+
+        def observe(i: int, x_BTD: torch.Tensor) -> None:
+            moments[i] = activation_moments(x_BTD)
+
+        attentions: list[Any] = [block.attn for block in model.blocks]  # Attention modules
+        for attn in attentions:
+            attn.record_logit_max = True
+        try:
+            with autocast():
+                logits = model(self.inputs, on_block_output=observe)
+            by_source = []
+            if self.sources is not None:
+                names, targets, index = self.sources
+                by_source.append(loss_by_source(logits, targets, index, len(names)))
+            return torch.cat(
+                [
+                    logit_stats(logits),
+                    *(
+                        torch.stack([moments[i][0], moments[i][1], moments[i][2], a.logit_max])
+                        for i, a in enumerate(attentions)
+                    ),
+                    *by_source,
+                ]
+            )
+        finally:
+            for attn in attentions:
+                attn.record_logit_max, attn.logit_max = False, None
+
+
 class ModelStats(Callback):
     """Adds the `stats/...` figures of tenx.monitor.internals to the metrics of every `every`-th step."""
 
@@ -94,10 +158,7 @@ class ModelStats(Callback):
         self._active = False
         self._hooks: list[Any] = []
         self._clock: _Clock | None = None
-        self._probe: torch.Tensor | None = None
-        self._sources: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
-        """When the probe is validation data: its data sources (tenx.monitor.source_loss), targets and each
-        target's source."""
+        self._probe: ModelProbe | None = None
         self._layers: list[str] = []
         """The model's layers (block indices, then embed / head / norm), in the order of tenx.monitor.internals."""
         self._index: list[int] = []
@@ -220,58 +281,29 @@ class ModelStats(Callback):
             out[stat_key("update_ratio", layer)] = update_ratio(update_sq[i], param_sq[i])
         return out
 
-    @torch.no_grad()
     def _probe_forward(self, trainer: TrainerView) -> dict[str, float]:
         """Block outputs, attention logits and output logits of one forward on the fixed probe batch."""
         model = trainer.raw_model
         if self._probe is None:
-            stream = trainer.val_stream if trainer.val_stream is not None else trainer.train_stream
-            seq_len, rows = trainer.model_cfg.seq_len, trainer.loader.micro_batch
-            inputs, targets = next(iter(sequential_windows(stream, seq_len, rows, 1)))
-            self._probe = inputs.to(trainer.device)
-            if trainer.val_stream is not None:  # the loss per data source, of validation tokens only
-                windows = spread_windows(len(stream), seq_len, rows)  # the windows of the probe's rows
-                names, index = probe_sources(stream, windows, seq_len)
-                device = trainer.device
-                self._sources = (names, targets.to(device), torch.from_numpy(index).to(device))
-        moments: dict[int, torch.Tensor] = {}
-
-        def observe(i: int, x_BTD: torch.Tensor) -> None:
-            moments[i] = activation_moments(x_BTD)
-
-        attentions: list[Any] = [block.attn for block in model.blocks]  # Attention modules
-        for attn in attentions:
-            attn.record_logit_max = True
-        try:
-            with trainer.autocast():
-                logits = model(self._probe, on_block_output=observe)
-            by_source = []
-            if self._sources is not None and self._sources[0]:
-                sources, source_targets, source_index = self._sources
-                by_source.append(loss_by_source(logits, source_targets, source_index, len(sources)))
-            figures = torch.cat(
-                [
-                    logit_stats(logits),
-                    *(
-                        torch.stack([moments[i][0], moments[i][1], moments[i][2], a.logit_max])
-                        for i, a in enumerate(attentions)
-                    ),
-                    *by_source,
-                ]
-            ).tolist()
-        finally:
-            for attn in attentions:
-                attn.record_logit_max, attn.logit_max = False, None
+            self._probe = ModelProbe(
+                trainer.train_stream,
+                trainer.val_stream,
+                trainer.model_cfg.seq_len,
+                trainer.loader.micro_batch,
+                trainer.device,
+            )
+        figures = self._probe.figures(model, trainer.autocast).tolist()
         if trainer.strategy == "fsdp":  # a forward without backward leaves the root's parameters gathered
             model.reshard()  # type: ignore[operator]
         out = {stat_key("logit_max"): figures[0], stat_key("logit_entropy"): figures[1]}
-        for i in range(len(attentions)):
+        layers = len(model.blocks)
+        for i in range(layers):
             rms, peak = rms_and_max(figures[2 + 4 * i : 5 + 4 * i])
             out[stat_key("act_rms", i)] = rms
             out[stat_key("act_max", i)] = peak
             out[stat_key("attn_logit_max", i)] = figures[5 + 4 * i]
-        if by_source and self._sources is not None:
-            for name, loss in zip(self._sources[0], figures[2 + 4 * len(attentions) :], strict=True):
+        if self._probe.sources is not None:
+            for name, loss in zip(self._probe.sources[0], figures[2 + 4 * layers :], strict=True):
                 out[stat_key(LOSS_SOURCE, name)] = loss
         return out
 
