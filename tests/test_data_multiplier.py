@@ -164,7 +164,9 @@ def test_data_mode_config_errors_name_the_field(tmp_path):
         ladder = LadderConfig(grid="ratio", unique_tokens=100)
         dataclasses.replace(dc, unique_tokens=[1000, 2000], ladder=ladder).validate()
     assert dataclasses.replace(dc, unique_tokens=[3000, 1000]).compare_u == 1000
-    with pytest.raises(ConfigError, match="unique_tokens, compare_unique_tokens: only mode 'data'"):
+    with pytest.raises(
+        ConfigError, match="unique_tokens, compare_unique_tokens, law_seeds: only mode 'data'"
+    ):
         dataclasses.replace(dc, mode="compute", unique_tokens=[1000, 2000]).validate()
     with pytest.raises(ConfigError, match=r"unique_tokens\[1\]: must be a whole number of tokens >= 2"):
         dataclasses.replace(dc, unique_tokens=[1000, -1]).validate()
@@ -240,6 +242,21 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
         if p.stage == "baseline" and p.run.tokens == smallest
     }
     assert caps == {None, far} and MIN_CAPPED_EPOCHS == 1.05
+    # law_seeds: the baseline's seeds per scale (the law's points); the changes keep `seeds` at the smallest
+    more = plan_data_derisk(dataclasses.replace(dc, law_seeds=[1, 3]))
+    for scale, want in zip(sorted(dc.budgets), (1, 3), strict=True):
+        for fraction in (0.5, 1.0):
+            fresh = [p for p in more if p.stage == "baseline" and p.scale == scale and p.fraction == fraction]
+            fresh = [p for p in fresh if p.unique is None]
+            assert len(fresh) == want and len({p.run.seed for p in fresh}) == want
+        rope = [p for p in more if p.stage == "rope" and p.scale == scale]
+        assert len(rope) == (2 if scale == min(dc.budgets) else 1)
+    assert (
+        dataclasses.replace(dc, law_seeds=[1, 3]).baseline_seeds(6e10) == 3 and dc.baseline_seeds(6e10) == 1
+    )
+    for bad in ([3], [3, 0], [3, True]):
+        with pytest.raises(ConfigError, match=r"law_seeds: give one whole number >= 1 per budget \(2\)"):
+            dataclasses.replace(dc, law_seeds=bad).validate()
     with pytest.raises(ConfigError, match="token_fractions: 0.001 of budget 2e"):
         plan_data_derisk(dataclasses.replace(dc, token_fractions=[0.001, 1.0]))
     with pytest.raises(ConfigError, match=r"token_fractions: give fractions in \(0, 1\]"):

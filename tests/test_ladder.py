@@ -19,7 +19,6 @@ from tenx.errors import ConfigError
 from tenx.monitor.goodput import compute_goodput
 from tenx.scaling import ladder as ladder_mod
 from tenx.scaling.ladder import (
-    RUN_OVERHEAD_S,
     LadderConfig,
     LadderProgress,
     config_key,
@@ -31,6 +30,7 @@ from tenx.scaling.ladder import (
     run_one,
     steady_step_seconds,
 )
+from tenx.scaling.ladder_estimate import RUN_OVERHEAD_S
 from tenx.train.callbacks.faults import FaultConfig, InjectedFault
 
 

@@ -23,7 +23,7 @@ LADDER_FLAGS: tuple[str, ...] = (
     "min_depth",
 )
 LADDER_FLAGS += ("max_depth", "unique_tokens", "seeds", "noise_seeds", "eval_bytes", "prepare_source")
-LADDER_FLAGS += ("evals_per_run", "prepare_tokenizer")
+LADDER_FLAGS += ("evals_per_run", "prepare_tokenizer", "workers")
 """The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
 FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents")
 """The FitConfig fields `tenx fit` takes as flags."""
@@ -96,7 +96,10 @@ def cmd_derisk(args: argparse.Namespace) -> None:
         unique_tokens=args.unique_tokens,
         compare_unique_tokens=args.compare_unique_tokens,
         token_fractions=args.token_fractions,
+        law_seeds=args.law_seeds,
     )
+    if args.workers is not None:
+        dc.ladder.workers = args.workers
     (run_data_derisk if dc.mode == "data" else run_derisk)(dc, args.out, dry_run=args.dry_run)
 
 
@@ -121,7 +124,7 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
     add_config_arguments(
         rp,
         DeriskConfig,
-        ["mode", "unique_tokens", "compare_unique_tokens", "token_fractions"],
+        ["mode", "unique_tokens", "compare_unique_tokens", "token_fractions", "law_seeds"],
         overrides=True,
     )
     defaults = DeriskConfig()
@@ -134,6 +137,11 @@ def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
         "--out", required=True, help="output directory (ladder/, report.md, report.png, derisk.json)"
     )
     rp.add_argument("--dry-run", action="store_true", help="print the stack and its runs; train nothing")
+    rp.add_argument(
+        "--workers",
+        type=at_least(int, 1, 64),
+        help="runs trained at once (ladder.workers; default: the --config file's, else 1)",
+    )
     add_threads_argument(rp)
 
 

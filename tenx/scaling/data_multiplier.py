@@ -46,7 +46,7 @@ import numpy as np
 
 from tenx.errors import ConfigError, DataError
 from tenx.scaling.derisk import DeriskConfig, format_multiplier, prepare_stack, verdict
-from tenx.scaling.ladder import config_key, load_base, run_one
+from tenx.scaling.ladder import config_key, load_base, run_planned
 from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
@@ -111,7 +111,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
         one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
         seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
         for fraction in sorted({*dc.token_fractions, 1.0}):
-            part = dataclasses.replace(one, budgets=[scale * fraction], seeds=seeds)
+            part = dataclasses.replace(one, budgets=[scale * fraction], seeds=dc.baseline_seeds(scale))
             try:
                 fresh = plan_ladder(base, part, _tag("baseline", None))
             except ConfigError as e:
@@ -447,18 +447,18 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
     t0 = time.perf_counter()
-    baseline: list[dict[str, Any]] = []
-    changes: dict[str, list[dict[str, Any]]] = {c.name: [] for c in dc.change}
-    for i, p in enumerate(planned, 1):
-        row = run_one(p.run, out / "ladder", dc.ladder, splits=("heldout",))  # the split the law reads
+    found: dict[int, dict[str, Any]] = {}
+    runs = [p.run for p in planned]
+    for i, row in run_planned(runs, out / "ladder", dc.ladder, splits=("heldout",)):  # what the law reads
         state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
         print(
-            f"[{i}/{len(planned)}] {p.run.name}: {row['epochs']:.3g} epochs, held-out "
+            f"[{i + 1}/{len(planned)}] {runs[i].name}: {row['epochs']:.3g} epochs, held-out "
             f"{row['heldout_loss']:.4f} nats/token ({state})",
             flush=True,
         )
-        mine = {**row, "budget": p.scale}
-        (baseline if p.stage == "baseline" else changes[p.stage]).append(mine)
+        found[i] = {**row, "budget": planned[i].scale}
+    baseline = [found[i] for i, p in enumerate(planned) if p.stage == "baseline"]
+    changes = {c.name: [found[i] for i, p in enumerate(planned) if p.stage == c.name] for c in dc.change}
     result = analyse_data(baseline, changes, dc)
     result["wall_s"] = time.perf_counter() - t0
     atomic_write_json(out / "derisk.json", result)

@@ -47,7 +47,7 @@ import numpy as np
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.scaling.ladder import config_key, ensure_data, load_base, run_one
+from tenx.scaling.ladder import config_key, ensure_data, load_base, run_planned
 from tenx.scaling.rungs import LadderConfig, PlannedRun, format_ladder_plan, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
@@ -108,6 +108,12 @@ class DeriskConfig:
     compare_unique_tokens: int | None = field(
         None, ge=2, help="mode 'data': the U the changes train at (default: the smallest of unique_tokens)"
     )
+    law_seeds: list[int] = field(
+        default_factory=list,
+        help="mode 'data': seeds of the baseline's runs (the law's points) at each budget, smallest first "
+        "(default: `seeds` at the smallest budget, 1 at the others); the changes keep `seeds` at the "
+        "smallest, 1 elsewhere",
+    )
     token_fractions: list[float] = field(
         default_factory=lambda: [0.5, 1.0],
         help="mode 'data': the baseline trains each scale on these fractions of its tokens (fresh and under "
@@ -140,10 +146,10 @@ class DeriskConfig:
             raise ConfigError("ladder.grid: derisking trains one size per budget; use 'ratio'")
         if self.mode == "data":
             self._validate_data_mode()
-        elif self.unique_tokens or self.compare_unique_tokens is not None:
+        elif self.unique_tokens or self.compare_unique_tokens is not None or self.law_seeds:
             raise ConfigError(
-                "unique_tokens, compare_unique_tokens: only mode 'data' uses them; set mode = \"data\" "
-                "(--mode data) or leave them out"
+                "unique_tokens, compare_unique_tokens, law_seeds: only mode 'data' uses them; set mode = "
+                '"data" (--mode data) or leave them out'
             )
 
     def _validate_data_mode(self) -> None:
@@ -162,6 +168,21 @@ class DeriskConfig:
             )
         if self.ladder.unique_tokens is not None:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
+        if self.law_seeds and (
+            len(self.law_seeds) != len(self.budgets)
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.law_seeds)
+        ):
+            raise ConfigError(
+                f"law_seeds: give one whole number >= 1 per budget ({len(self.budgets)}), smallest budget "
+                f"first, got {self.law_seeds}"
+            )
+
+    def baseline_seeds(self, scale: float) -> int:
+        """Mode 'data': the seeds of the baseline's runs at budget `scale` (law_seeds, else `seeds` at the
+        smallest budget and 1 at the others)."""
+        if self.law_seeds:
+            return self.law_seeds[sorted(self.budgets).index(scale)]
+        return self.seeds if scale == min(self.budgets) else 1
 
     @property
     def compare_u(self) -> int:
@@ -517,12 +538,11 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     t0 = time.perf_counter()
     runs = [r for st in stages for r in st.runs]
     rows: dict[str, dict[str, Any]] = {}
-    for i, run in enumerate(runs, 1):
-        row = run_one(run, out / "ladder", dc.ladder)
+    for i, row in run_planned(runs, out / "ladder", dc.ladder):
         rows[row["key"]] = row
         state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
         print(
-            f"[{i}/{len(runs)}] {run.name}: held-out {row['heldout_loss']:.4f} nats/token ({state})",
+            f"[{i + 1}/{len(runs)}] {runs[i].name}: held-out {row['heldout_loss']:.4f} nats/token ({state})",
             flush=True,
         )
     result = analyse(stages, rows, dc)
@@ -548,7 +568,8 @@ def derisk_from_args(
 ) -> DeriskConfig:
     """A DeriskConfig from a file and/or flags (flags win; --change flags replace the file's changes).
 
-    `data_mode`: mode, unique_tokens, compare_unique_tokens, token_fractions (None or empty: the file's)."""
+    `data_mode`: mode, unique_tokens, compare_unique_tokens, token_fractions, law_seeds (None or empty: the
+    file's)."""
     dc = load_derisk(config) if config else DeriskConfig()
     if base:
         dc.base = base
@@ -563,7 +584,7 @@ def derisk_from_args(
     if target is not None:
         dc.target = target
     for name, value in data_mode.items():
-        if name not in ("mode", "unique_tokens", "compare_unique_tokens", "token_fractions"):
+        if name not in ("mode", "unique_tokens", "compare_unique_tokens", "token_fractions", "law_seeds"):
             raise TypeError(f"derisk_from_args() got an unexpected keyword argument {name!r}")
         if value is not None and value != []:
             setattr(dc, name, value)

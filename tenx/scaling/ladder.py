@@ -2,27 +2,36 @@
 
 A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs: the planning rules
 (grids, shapes, hyperparameters by size) are tenx/scaling/rungs.py's, the cluster launch scripts
-tenx/scaling/ladder_scripts.py's. Runs are idempotent: a run whose row (keyed by a hash of its resolved config) is
-in results.jsonl is skipped; a run with checkpoints resumes from the newest verified one; a finished run is
-only evaluated.
+tenx/scaling/ladder_scripts.py's, the dry run's time estimate tenx/scaling/ladder_estimate.py's. Runs are
+idempotent: a run whose row (keyed by a hash of its resolved config) is in results.jsonl is skipped; a run
+with checkpoints resumes from the newest verified one; a finished run is only evaluated. Several runs may
+train at once (`ladder.workers`: run_planned).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import re
 import shutil
-import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal
 
 from tenx import config as cfglib
 from tenx import rundir
-from tenx.errors import TenxError
+from tenx.errors import ConfigError, TenxError
+from tenx.scaling.ladder_estimate import (
+    contention_note,
+    estimate_seconds,
+    measure_tokens_per_s,
+    run_seconds,
+    steady_step_seconds,
+)
 from tenx.scaling.ladder_scripts import emit_launch
 from tenx.scaling.rungs import (
     DEFAULT_BUDGETS,
@@ -37,7 +46,6 @@ from tenx.scaling.rungs import (
     plan_checks,
     plan_ladder,
     shape_for_depth,
-    vocab_size_of,
 )
 from tenx.train.config import RunConfig, load_run_config
 from tenx.train.hooks import Callback, TrainerView
@@ -69,7 +77,9 @@ __all__ = [
     "run_seconds",
     "run_ladder",
     "run_one",
+    "run_planned",
     "shape_for_depth",
+    "slot_config",
     "steady_step_seconds",
 ]
 
@@ -256,10 +266,11 @@ def run_one(
     progress_every_s: float | None = PROGRESS_EVERY_S,
     callbacks: list[Callback] | None = None,
     splits: tuple[str, ...] = EVAL_SPLITS,
+    record: bool = True,
 ) -> dict[str, Any]:
     """Train (or resume, or reuse) one planned run, evaluate it on `splits` and record its row in
     results.jsonl (a split not scored has None for its loss and bits per byte; a reused row keeps what it
-    was scored on).
+    was scored on). `record=False` leaves the recording to the caller (run_planned).
 
     While it trains a line every `progress_every_s` seconds says how far it is (None: no lines), headed by
     `label` (default: the run's name). `command` is the ladder's own command, which a stop signal's message
@@ -327,7 +338,8 @@ def run_one(
         "config": cfglib.to_dict(run.config),
         "time": time.time(),
     }
-    append_result(ladder_dir, row)
+    if record:
+        append_result(ladder_dir, row)
     return row
 
 
@@ -337,149 +349,94 @@ def _train_tokens(cfg: RunConfig) -> int:
     return int(read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]["tokens"])
 
 
-PROBE_SECONDS = 1.5
-"""The dry run times each shape's training steps for at least this long (and at least PROBE_STEPS steps)."""
-PROBE_STEPS = 5
-PROBE_MAX_STEPS = 40
-RUN_OVERHEAD_S = 2.0
-"""Seconds each run spends outside its steps and evaluations: building the model and data, its checkpoint
-saves, the loss plot and loading its final checkpoint for evaluation (1 to 3 s per run of the default ladder
-on 2 CPU cores)."""
+# ----- several runs at once ------------------------------------------------------------------------
+# `ladder.workers` runs at a time on one machine. Small runs leave a machine idle: on 2 CPU cores a depth-1
+# step is 27 ms on one thread and 24 ms on two, so two such runs side by side, one thread each, take about
+# as long as one. Each worker is a process of its own (spawned, so nothing of this process's torch state
+# is shared) with a *slot*: on a CPU its share of the threads (train.threads / workers, or this machine's
+# usable CPUs / workers when train.threads is 0), on CUDA its own GPU (slot i trains on cuda:i). Neither
+# is part of a run's identity (config_key leaves out how a batch is computed), but a run's numbers do
+# depend on its thread count: a study that compares runs trains them all with the same workers. Runs
+# start costliest first (training FLOPs), so that the short ones fill the gaps at the end rather than a
+# long one running alone. Workers train and score; this process alone writes results.jsonl (each row as
+# its run finishes, atomically), so two runs never race on it.
+def slot_config(run: PlannedRun, slot: int, workers: int) -> PlannedRun:
+    """`run` as worker slot `slot` of `workers` trains it: its share of the CPU threads, or its own GPU."""
+    if workers == 1:
+        return run
+    train = run.config.train
+    if train.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < workers:
+            raise ConfigError(
+                f"ladder.workers={workers} trains one run per GPU, but this machine has {count}; "
+                f"give ladder.workers={max(count, 1)} or fewer"
+            )
+        train = dataclasses.replace(train, device=f"cuda:{slot}")
+    else:
+        from tenx.utils.cpus import usable_cpu_count
+
+        total = train.threads or usable_cpu_count()
+        train = dataclasses.replace(train, threads=max(1, total // workers))
+    return dataclasses.replace(run, config=dataclasses.replace(run.config, train=train))
 
 
-def steady_step_seconds(step_seconds: list[float]) -> float:
-    """A shape's step time from the timed steps of a probe: their median, so that a burst of other work on
-    the machine during a step or two (or a slow first step) does not set the estimate of a whole run."""
-    if not step_seconds:
-        raise TenxError("steady_step_seconds: no timed steps")
-    return float(statistics.median(step_seconds))
-
-
-def measure_tokens_per_s(
-    cfg: RunConfig,
-    micro_batch: int,
-    steps: int = PROBE_STEPS,
-    *,
-    min_seconds: float = PROBE_SECONDS,
-    max_steps: int = PROBE_MAX_STEPS,
-    progress: Callable[[str], None] | None = None,
-) -> float:
-    """Training tokens per second of cfg's model on this machine: two warm-up steps on random tokens, then
-    steps timed one by one until there are `steps` of them and `min_seconds` have passed (at most
-    `max_steps`); the rate of their median step (steady_step_seconds). Runs on cfg's train.threads when set
-    (the threads its training will use). `progress` gets one line when the timing is done."""
-    import torch
-
-    from tenx.hardware import pick_device, resolve_precision, tune_cpu_allocator
-    from tenx.model.transformer import Transformer
-    from tenx.train.float8 import convert_linears_to_float8
-    from tenx.train.optim import build_optimizer
-
-    device = pick_device(cfg.train.device, "train.device")
-    if device.type == "cpu":
-        tune_cpu_allocator()
-        if cfg.train.threads is not None:  # training sets these threads (tenx.train.parts); time on them
-            torch.set_num_threads(cfg.train.threads)
-    model_cfg = cfg.model.resolved(vocab_size_of(cfg))
-    torch.manual_seed(0)
-    model = Transformer(model_cfg).to(device)
-    if cfg.train.precision == "fp8":  # the linears training converts, converted here too
-        convert_linears_to_float8(model, device)
-    opt = build_optimizer(model, cfg.optim, device)
-    amp = resolve_precision(cfg.train.precision, device)
-    assert model_cfg.vocab_size is not None
-    x = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), device=device)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            loss, _ = model(x[:, :-1], x[:, 1:])  # the training step's own forward and loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # `device`'s queue: on `cuda:1` the current GPU is another one
-        return time.perf_counter() - t0
-
-    step(), step()  # the first steps allocate and pick kernels
-    times: list[float] = []
-    began = time.perf_counter()
-    while len(times) < max_steps and (len(times) < steps or time.perf_counter() - began < min_seconds):
-        times.append(step())
-    seconds = steady_step_seconds(times)
-    if progress is not None:
-        progress(
-            f"  timed depth {model_cfg.depth} ({micro_batch} x {model_cfg.seq_len} tokens a step): "
-            f"{seconds:.3g} s a step (median of {len(times)}), {micro_batch * model_cfg.seq_len / seconds:,.0f} "
-            "tokens/s"
-        )
-    return micro_batch * model_cfg.seq_len / seconds
-
-
-def run_seconds(run: PlannedRun, lc: LadderConfig, tokens_per_s: float) -> float:
-    """Estimated wall seconds of one run that trains at `tokens_per_s`: its training tokens, the validation
-    losses it logs and the final evaluation of val and held-out (forward only: a third of a training step's
-    cost per token), and RUN_OVERHEAD_S."""
-    # at least eval_bytes of each of the val and held-out splits, in tokens
-    eval_tokens = 2 * lc.eval_bytes / _bytes_per_token(run.config) if lc.eval_bytes else 0.0
-    tc = run.config.train
-    if tc.eval_every:  # the validation losses logged during the run
-        eval_tokens += -(-tc.steps // tc.eval_every) * tc.eval_batches * tc.micro_batch * run.seq_len
-    return run.tokens / tokens_per_s + eval_tokens / (3 * tokens_per_s) + RUN_OVERHEAD_S
-
-
-def estimate_seconds(
-    plan: list[PlannedRun],
+def run_planned(
+    runs: list[PlannedRun],
+    ladder_dir: str | Path,
     lc: LadderConfig,
     *,
-    tokens_per_s: Callable[[RunConfig, int], float] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, float]:
-    """Estimated wall seconds of each run on this machine (run_seconds), from the training speed of each
-    shape (depth, micro-batch): `tokens_per_s(config, micro_batch)`, by default measured here
-    (measure_tokens_per_s, once per shape, saying each to `progress`)."""
-    speed: dict[tuple[int, int], float] = {}
-    out = {}
-    for run in plan:
-        shape = (run.depth, run.config.train.micro_batch)
-        if shape not in speed:
-            if tokens_per_s is not None:
-                speed[shape] = tokens_per_s(run.config, shape[1])
-            else:
-                speed[shape] = measure_tokens_per_s(run.config, shape[1], progress=progress)
-        out[run.name] = run_seconds(run, lc, speed[shape])
-    return out
-
-
-def _bytes_per_token(cfg: RunConfig) -> float:
-    """From the data's manifest; before the data is prepared (a dry run), 1 for bytes (a vocabulary of
-    257) and a typical 3 for a BPE vocabulary."""
-    from tenx.data.manifest import read_manifest
-    from tenx.data.tokenizer import ByteTokenizer
-
-    if not (Path(cfg.data.dir) / "manifest.json").exists():
-        return 1.0 if cfg.model.vocab_size == ByteTokenizer.vocab_size else 3.0
-    split = read_manifest(cfg.data.dir)["splits"][cfg.data.train_split]
-    return max(1e-9, split["bytes"] / max(1, split["tokens"]))
+    labels: list[str] | None = None,
+    command: str = "",
+    splits: tuple[str, ...] = EVAL_SPLITS,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Train (or resume, or reuse), score and record each of `runs` as tenx.scaling.ladder.run_one does,
+    `lc.workers` at a time, costliest first; yields (index in `runs`, its row) as each finishes (in plan
+    order with one worker).
+    `labels` head each run's progress lines (default: the runs' names)."""
+    labels = labels or [r.name for r in runs]
+    if lc.workers == 1:
+        for i, run in enumerate(runs):
+            yield i, run_one(run, ladder_dir, lc, label=labels[i], command=command, splits=splits)
+        return
+    # the costliest first (most FLOPs): the short runs then fill the gaps at the end, not a long one alone
+    queue = sorted(enumerate(runs), key=lambda item: -item[1].flops)
+    free = list(range(lc.workers))
+    running: dict[Future[dict[str, Any]], tuple[int, int]] = {}
+    with ProcessPoolExecutor(lc.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            while queue or running:
+                while queue and free:
+                    (i, run), slot = queue.pop(0), free.pop(0)
+                    future = pool.submit(
+                        run_one,
+                        slot_config(run, slot, lc.workers),
+                        ladder_dir,
+                        lc,
+                        label=labels[i],
+                        command=command,
+                        splits=splits,
+                        record=False,
+                    )
+                    running[future] = (i, slot)
+                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: running[f][0]):
+                    i, slot = running.pop(future)
+                    free.append(slot)
+                    row = future.result()
+                    if not row.get("reused"):
+                        append_result(ladder_dir, row)
+                    yield i, row
+        except BaseException:
+            for future in running:
+                future.cancel()
+            raise
 
 
 def _say(line: str) -> None:
     print(line, flush=True)
-
-
-def _contention_note() -> str:
-    """A line for the estimate when other programs keep this machine's CPUs busy (its steps were timed
-    beside them), else ''."""
-    from tenx.hardware import BUSY_SHARE
-    from tenx.utils.cpus import busy_cpus, usable_cpu_count
-
-    busy = busy_cpus()
-    if busy < BUSY_SHARE:
-        return ""
-    return (
-        f"\nnote: other programs kept {busy:.1f} of {usable_cpu_count()} CPUs busy while the steps were timed; "
-        "the estimate holds while they go on doing so (alone, this machine trains faster)"
-    )
 
 
 # ----- the whole ladder ------------------------------------------------------------------------------
@@ -521,7 +478,7 @@ def run_ladder(
             shapes = len({(r.depth, r.config.train.micro_batch) for r in plan})
             _say(f"timing the training steps of each of the plan's {shapes} model shapes on this machine")
             seconds = estimate_seconds(plan, lc, progress=_say)
-            note = _contention_note()
+            note = contention_note()
         print(format_ladder_plan(plan, seconds, footer) + note)
         return []
     out.mkdir(parents=True, exist_ok=True)
@@ -540,17 +497,18 @@ def run_ladder(
         print("launch scripts:\n  " + "\n  ".join(str(p) for p in scripts))
         return []
     print(format_ladder_plan(plan, footer=footer))
-    rows = []
+    found: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
-    for i, run in enumerate(plan, 1):
-        row = run_one(run, out, lc, label=f"[{i}/{len(plan)}] {run.name}", command=collect)
+    labels = [f"[{i}/{len(plan)}] {run.name}" for i, run in enumerate(plan, 1)]
+    for i, row in run_planned(plan, out, lc, labels=labels, command=collect):
         state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
         print(
-            f"[{i}/{len(plan)}] {run.name}: held-out {row['heldout_loss']:.4f} nats/token, "
+            f"{labels[i]}: held-out {row['heldout_loss']:.4f} nats/token, "
             f"{row['heldout_bpb']:.4f} bits/byte ({state})",
             flush=True,
         )
-        rows.append(row)
+        found[i] = row
+    rows = [found[i] for i in range(len(plan))]
     print(f"ladder: {len(plan)} runs in {time.perf_counter() - t0:.0f} s; results: {out / 'results.jsonl'}")
     if lc.grid == "isoflop":  # the planner centred the windows on a guess; the runs measured the minima
         print(

@@ -122,6 +122,14 @@ class LadderConfig:
         help="validation losses logged per run (train.eval_every = steps / this, on train.eval_batches "
         "micro-batches): the held-out curves tenx predict fits; 0: only the final evaluation",
     )
+    workers: int = field(
+        1,
+        ge=1,
+        le=64,
+        help="runs trained at once, each in its own process with train.threads / workers CPU threads (or "
+        "its own GPU, cuda:i): small models barely use a second thread; a run's numbers depend on its "
+        "thread count, so compare runs trained with the same workers",
+    )
     prepare_source: str | None = field(
         "stdlib", help="if data.dir is not prepared yet, prepare it from this source first (none: error)"
     )

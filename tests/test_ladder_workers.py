@@ -1,0 +1,80 @@
+"""A ladder's runs trained `ladder.workers` at a time (tenx.scaling.ladder.run_planned)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tenx.cli import build_parser
+from tenx.errors import ConfigError
+from tenx.scaling.ladder import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
+
+
+def _lc(workers: int) -> LadderConfig:
+    return LadderConfig(
+        budgets=[2e10, 5e10],
+        grid="isoflop",
+        sizes=2,
+        min_tokens_per_param=0,
+        noise_seeds=1,
+        min_steps=20,
+        eval_bytes=20000,
+        evals_per_run=0,
+        workers=workers,
+    )
+
+
+def test_two_workers_train_the_same_numbers_side_by_side(tiny_config, tiny_data, tmp_path):
+    """Two at a time on one thread each: every row equals, bit for bit, the one-at-a-time run on one thread;
+    the runs overlapped in time; this process wrote every row once."""
+    base = tiny_config(tiny_data, "train.micro_batch=8", "checkpoint.async_save=false")
+    one = run_ladder(
+        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=1)), _lc(1), tmp_path / "one"
+    )
+    two = run_ladder(
+        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=2)), _lc(2), tmp_path / "two"
+    )
+    assert [r["name"] for r in two] == [r["name"] for r in one] and len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        assert a["key"] == b["key"]  # the thread count is not part of a run's identity
+        assert b["config"]["train"]["threads"] == 1
+        assert (a["heldout_loss"], a["val_loss"], a["train_loss"]) == (
+            b["heldout_loss"],
+            b["val_loss"],
+            b["train_loss"],
+        )
+    spans = sorted((r["time"] - r["wall_s"], r["time"]) for r in two)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+    assert sorted(r["name"] for r in read_results(tmp_path / "two")) == sorted(r["name"] for r in two)
+    again = run_ladder(base, _lc(2), tmp_path / "two")  # nothing trains again
+    assert all(r.get("reused") for r in again)
+
+
+def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_data):
+    base = tiny_config(tiny_data, "train.micro_batch=8", "train.threads=4")
+    run = plan_ladder(base, _lc(2))[0]
+    assert slot_config(run, 1, 1) is run
+    assert slot_config(run, 1, 2).config.train.threads == 2
+    assert slot_config(run, 0, 8).config.train.threads == 1  # never below one
+    auto = dataclasses.replace(
+        run, config=dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, threads=0))
+    )
+    assert slot_config(auto, 0, 2).config.train.threads >= 1
+    cuda = dataclasses.replace(
+        run,
+        config=dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, device="cuda")),
+    )
+    import torch
+
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ConfigError, match="ladder.workers=64 trains one run per GPU"):
+            slot_config(cuda, 0, 64)
+
+
+def test_workers_is_a_flag_of_ladder_and_derisk():
+    parser = build_parser()
+    assert parser.parse_args(["ladder", "--workers", "2", "--out", "x"]).workers == 2
+    assert parser.parse_args(["derisk", "--workers", "3", "--out", "x"]).workers == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["derisk", "--workers", "0", "--out", "x"])
