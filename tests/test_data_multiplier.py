@@ -16,6 +16,7 @@ from tenx.scaling.data_multiplier import (
     LAW_PARAMS,
     MIN_CAPPED_EPOCHS,
     analyse_data,
+    baseline_seeds,
     data_needed,
     effective_data_multiplier,
     format_data_derisk,
@@ -252,7 +253,7 @@ def test_plan_trains_the_baseline_at_every_unique_budget_and_the_changes_at_the_
         rope = [p for p in more if p.stage == "rope" and p.scale == scale]
         assert len(rope) == (2 if scale == min(dc.budgets) else 1)
     assert (
-        dataclasses.replace(dc, law_seeds=[1, 3]).baseline_seeds(6e10) == 3 and dc.baseline_seeds(6e10) == 1
+        baseline_seeds(dataclasses.replace(dc, law_seeds=[1, 3]), 6e10) == 3 and baseline_seeds(dc, 6e10) == 1
     )
     for bad in ([3], [3, 0], [3, True]):
         with pytest.raises(ConfigError, match=r"law_seeds: give one whole number >= 1 per budget \(2\)"):

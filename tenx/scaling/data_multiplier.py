@@ -98,6 +98,14 @@ def _tag(stage: str, unique: int | None) -> str:
     return stage + ("-fresh" if unique is None else f"-U{unique:.2e}".replace("+", ""))
 
 
+def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
+    """The seeds of the baseline's runs at budget `scale`: dc.law_seeds, else dc.seeds at the smallest
+    budget and 1 at the others."""
+    if dc.law_seeds:
+        return dc.law_seeds[sorted(dc.budgets).index(scale)]
+    return dc.seeds if scale == min(dc.budgets) else 1
+
+
 def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun]:
     """The baseline's runs (on each fraction of each scale's tokens: fresh, and under each U below them)
     and each change's at U_c on the whole of each scale's tokens."""
@@ -111,7 +119,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
         one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
         seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
         for fraction in sorted({*dc.token_fractions, 1.0}):
-            part = dataclasses.replace(one, budgets=[scale * fraction], seeds=dc.baseline_seeds(scale))
+            part = dataclasses.replace(one, budgets=[scale * fraction], seeds=baseline_seeds(dc, scale))
             try:
                 fresh = plan_ladder(base, part, _tag("baseline", None))
             except ConfigError as e:

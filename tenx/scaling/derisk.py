@@ -177,13 +177,6 @@ class DeriskConfig:
                 f"first, got {self.law_seeds}"
             )
 
-    def baseline_seeds(self, scale: float) -> int:
-        """Mode 'data': the seeds of the baseline's runs at budget `scale` (law_seeds, else `seeds` at the
-        smallest budget and 1 at the others)."""
-        if self.law_seeds:
-            return self.law_seeds[sorted(self.budgets).index(scale)]
-        return self.seeds if scale == min(self.budgets) else 1
-
     @property
     def compare_u(self) -> int:
         """Mode 'data': the unique-token budget the changes train at."""
