@@ -6,9 +6,15 @@ import dataclasses
 
 import pytest
 
-from tenx.cli import build_parser
+from tenx.cli import build_parser, main
 from tenx.errors import ConfigError
 from tenx.scaling.ladder import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
+from tenx.scaling.ladder_estimate import workers_seconds
+from tenx.train.config import CONFIG_DIR, load_run_config
+
+
+def tiny_config_for(data) -> object:
+    return load_run_config(CONFIG_DIR / "tiny.toml", [f'data.dir="{data}"', "train.micro_batch=8"])
 
 
 def _lc(workers: int) -> LadderConfig:
@@ -78,3 +84,35 @@ def test_workers_is_a_flag_of_ladder_and_derisk():
     assert parser.parse_args(["derisk", "--workers", "3", "--out", "x"]).workers == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["derisk", "--workers", "0", "--out", "x"])
+
+
+def test_the_dry_run_estimates_the_plan_as_the_workers_will_train_it(tiny_data, tmp_path, capsys):
+    """Each run timed on its worker's share of the threads; the plan's wall time is the schedule's, costliest
+    first onto the first free worker (run_planned's order), not the sum of its runs."""
+    plan = plan_ladder(tiny_config_for(tiny_data), _lc(2))
+    seconds = {r.name: float(i + 1) for i, r in enumerate(sorted(plan, key=lambda r: -r.flops))}  # 1, 2, 3, 4
+    assert workers_seconds(plan, seconds, 1) == 10.0
+    assert workers_seconds(plan, seconds, 2) == 6.0  # 1 then 3 on one worker; 2 then 4 on the other: 4, 6
+    seconds = {
+        r.name: s for r, s in zip(sorted(plan, key=lambda r: -r.flops), (10.0, 6.0, 5.0, 1.0), strict=True)
+    }
+    assert workers_seconds(plan, seconds, 2) == 11.0  # 10 | 6 + 5, then 1 after the 10
+    args = ["ladder", "--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--set", "train.threads=2"]
+    args += [
+        "--budgets",
+        "1.3e12,3e12",
+        "--sizes",
+        "2",
+        "--workers",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--dry-run",
+    ]
+    assert main(args) == 0
+    tail = [line for line in capsys.readouterr().out.splitlines() if " FLOPs, about " in line]
+    assert (
+        tail
+        and "on this machine, 2 runs at a time (" in tail[0]
+        and " of runs; measured step times)" in tail[0]
+    )

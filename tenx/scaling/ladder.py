@@ -31,6 +31,7 @@ from tenx.scaling.ladder_estimate import (
     measure_tokens_per_s,
     run_seconds,
     steady_step_seconds,
+    workers_seconds,
 )
 from tenx.scaling.ladder_scripts import emit_launch
 from tenx.scaling.rungs import (
@@ -477,9 +478,11 @@ def run_ladder(
         if estimate:
             shapes = len({(r.depth, r.config.train.micro_batch) for r in plan})
             _say(f"timing the training steps of each of the plan's {shapes} model shapes on this machine")
-            seconds = estimate_seconds(plan, lc, progress=_say)
+            # each run timed on its worker's slot (its share of the threads): how it will train
+            seconds = estimate_seconds([slot_config(r, 0, lc.workers) for r in plan], lc, progress=_say)
             note = contention_note()
-        print(format_ladder_plan(plan, seconds, footer) + note)
+        wall = None if seconds is None else (lc.workers, workers_seconds(plan, seconds, lc.workers))
+        print(format_ladder_plan(plan, seconds, footer, wall) + note)
         return []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(

@@ -151,3 +151,13 @@ def contention_note() -> str:
         f"\nnote: other programs kept {busy:.1f} of {usable_cpu_count()} CPUs busy while the steps were timed; "
         "the estimate holds while they go on doing so (alone, this machine trains faster)"
     )
+
+
+def workers_seconds(plan: list[PlannedRun], seconds: dict[str, float], workers: int) -> float:
+    """Wall seconds of `plan` trained `workers` at a time as tenx.scaling.ladder.run_planned schedules it
+    (costliest first, each run to the first worker free), from each run's `seconds` on its worker's slot."""
+    free = [0.0] * workers
+    for run in sorted(plan, key=lambda r: -r.flops):
+        start = min(free)
+        free[free.index(start)] = start + seconds[run.name]
+    return max(free)

@@ -529,10 +529,13 @@ def minimum_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_ladder_plan(
-    plan: list[PlannedRun], seconds: dict[str, float] | None = None, footer: str | None = None
+    plan: list[PlannedRun],
+    seconds: dict[str, float] | None = None,
+    footer: str | None = None,
+    workers: tuple[int, float] | None = None,
 ) -> str:
     """A table of the plan: shape, parameters, tokens, FLOPs, batch, lr, (optionally) time and a footer
-    (`format_checks`)."""
+    (`format_checks`). `workers`: (runs at a time, the wall seconds of the whole plan at that)."""
     head = (
         f"{'run':<26} {'depth':>5} {'d':>4} {'params':>9} {'non-emb':>9} {'tokens':>10} {'D/N':>6} "
         f"{'FLOPs':>9} {'steps':>6} {'batch':>5} {'lr':>8} {'warmup':>6}"
@@ -552,7 +555,13 @@ def format_ladder_plan(
     total_flops = sum(r.flops for r in plan)
     tail = f"{len(plan)} runs, {total_flops:.2e} FLOPs"
     if seconds is not None:
-        tail += f", about {format_seconds(sum(seconds.values()))} on this machine (measured step times)"
+        if workers is not None and workers[0] > 1:
+            tail += (
+                f", about {format_seconds(workers[1])} on this machine, {workers[0]} runs at a time "
+                f"({format_seconds(sum(seconds.values()))} of runs; measured step times)"
+            )
+        else:
+            tail += f", about {format_seconds(sum(seconds.values()))} on this machine (measured step times)"
     lines.append(tail)
     if footer:
         lines.append(footer)
