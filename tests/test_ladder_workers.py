@@ -116,3 +116,39 @@ def test_the_dry_run_estimates_the_plan_as_the_workers_will_train_it(tiny_data, 
         and "on this machine, 2 runs at a time (" in tail[0]
         and " of runs; measured step times)" in tail[0]
     )
+
+
+def test_a_sigterm_to_the_ladder_stops_its_workers_runs_with_a_checkpoint(tiny_data, tmp_path, capfd):
+    """A scheduler's SIGTERM reaches the ladder's process alone: it is passed on to the workers, each run
+    saves a checkpoint and stops (exit 130, the command that continues named), and that command resumes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    lad = tmp_path / "lad"
+    args = ["ladder", "--config", "tiny", "--set", f'data.dir="{tiny_data}"', "--set", "train.threads=2"]
+    args += ["--budgets", "3e11,4e11", "--grid", "ratio", "--max-depth", "1", "--eval-bytes", "10000"]
+    args += ["--workers", "2", "--out", str(lad)]
+
+    def stop_once_both_train() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if len(list(lad.glob("runs/*/steps.jsonl"))) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopper = threading.Thread(target=stop_once_both_train, daemon=True)
+    stopper.start()
+    assert main(args) == 130
+    stopper.join()
+    out = capfd.readouterr().out
+    stopped = [line for line in out.splitlines() if "SIGTERM at step" in line]
+    assert len(stopped) == 2 and all("saved checkpoint" in line for line in stopped), out[-2000:]
+    assert not read_results(lad)  # nothing finished, nothing recorded
+    assert signal.getsignal(signal.SIGTERM) == before  # the ladder's forwarding handler is gone again
+    assert main(args) == 0
+    assert "resumed from" in capfd.readouterr().out
+    assert len(read_results(lad)) == 2

@@ -10,12 +10,16 @@ train at once (`ladder.workers`: run_planned).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -406,7 +410,9 @@ def run_planned(
     queue = sorted(enumerate(runs), key=lambda item: -item[1].flops)
     free = list(range(lc.workers))
     running: dict[Future[dict[str, Any]], tuple[int, int]] = {}
-    with ProcessPoolExecutor(lc.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(lc.workers, mp_context=spawn, initializer=_idle_worker_signals) as pool:
+        previous = _forward_sigterm(pool)
         try:
             while queue or running:
                 while queue and free:
@@ -434,6 +440,31 @@ def run_planned(
             for future in running:
                 future.cancel()
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _idle_worker_signals() -> None:
+    """A worker between runs ignores stop signals (a run installs the trainer's own handlers while it
+    trains, which save and stop): one dying idle would break the pool and kill its busy sibling."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _forward_sigterm(pool: ProcessPoolExecutor) -> Any:
+    """Pass a SIGTERM sent to this process alone (a scheduler's, a `kill`) on to the workers, whose runs
+    then save a checkpoint and stop as a lone run does; their stop ends the ladder. The previous handler
+    (None off the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum: int, frame: Any) -> None:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+
+    return signal.signal(signal.SIGTERM, forward)
 
 
 def _say(line: str) -> None:
