@@ -57,7 +57,7 @@ def test_two_workers_train_the_same_numbers_side_by_side(tiny_config, tiny_data,
     assert all(r.get("reused") for r in again)
 
 
-def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_data):
+def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_data, monkeypatch):
     base = tiny_config(tiny_data, "train.micro_batch=8", "train.threads=4")
     run = plan_ladder(base, _lc(2))[0]
     assert slot_config(run, 1, 1) is run
@@ -73,6 +73,11 @@ def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_
     )
     import torch
 
+    import tenx.hardware
+
+    # as on a machine with one GPU (the slot asks the device of train.device, 'auto' included)
+    monkeypatch.setattr(tenx.hardware, "pick_device", lambda name, what: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     if torch.cuda.device_count() < 64:
         with pytest.raises(ConfigError, match="ladder.workers=64 trains one run per GPU"):
             slot_config(cuda, 0, 64)

@@ -34,6 +34,7 @@ from tenx.scaling.ladder_estimate import (
     estimate_seconds,
     measure_tokens_per_s,
     run_seconds,
+    start_order,
     steady_step_seconds,
     workers_seconds,
 )
@@ -369,10 +370,12 @@ def slot_config(run: PlannedRun, slot: int, workers: int) -> PlannedRun:
     """`run` as worker slot `slot` of `workers` trains it: its share of the CPU threads, or its own GPU."""
     if workers == 1:
         return run
-    train = run.config.train
-    if train.device.startswith("cuda"):
-        import torch
+    import torch
 
+    from tenx.hardware import pick_device
+
+    train = run.config.train
+    if pick_device(train.device, "train.device").type == "cuda":  # 'auto' on a GPU machine too
         count = torch.cuda.device_count()
         if count < workers:
             raise ConfigError(
@@ -406,8 +409,7 @@ def run_planned(
         for i, run in enumerate(runs):
             yield i, run_one(run, ladder_dir, lc, label=labels[i], command=command, splits=splits)
         return
-    # the costliest first (most FLOPs): the short runs then fill the gaps at the end, not a long one alone
-    queue = sorted(enumerate(runs), key=lambda item: -item[1].flops)
+    queue = [(i, runs[i]) for i in start_order(runs)]
     free = list(range(lc.workers))
     running: dict[Future[dict[str, Any]], tuple[int, int]] = {}
     spawn = multiprocessing.get_context("spawn")

@@ -153,11 +153,17 @@ def contention_note() -> str:
     )
 
 
+def start_order(plan: list[PlannedRun]) -> list[int]:
+    """The order in which several workers start `plan`'s runs (indices): the costliest (most FLOPs) first,
+    so that the short runs fill the gaps at the end rather than a long one running alone."""
+    return sorted(range(len(plan)), key=lambda i: -plan[i].flops)
+
+
 def workers_seconds(plan: list[PlannedRun], seconds: dict[str, float], workers: int) -> float:
     """Wall seconds of `plan` trained `workers` at a time as tenx.scaling.ladder.run_planned schedules it
-    (costliest first, each run to the first worker free), from each run's `seconds` on its worker's slot."""
+    (start_order, each run to the first worker free), from each run's `seconds` on its worker's slot."""
     free = [0.0] * workers
-    for run in sorted(plan, key=lambda r: -r.flops):
+    for i in start_order(plan):
         start = min(free)
-        free[free.index(start)] = start + seconds[run.name]
+        free[free.index(start)] = start + seconds[plan[i].name]
     return max(free)
