@@ -87,9 +87,14 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
     loo = [e for p in repeated for e in errors([p])]
     largest = max((p[0] for p in repeated), default=math.nan)
     top = errors([p for p in repeated if p[0] == largest])
+    by_size: dict[str, float] = {}
+    for e in loo:  # where the law misses: one size, or all of them
+        key = f"{e['params']:.0f}"
+        by_size[key] = max(by_size.get(key, 0.0), abs(e["rel_error"]))
     return {
         "leave_one_out": loo,
         "leave_one_out_max_abs": max((abs(e["rel_error"]) for e in loo), default=math.nan),
+        "leave_one_out_max_abs_by_size": by_size,
         "largest_size": top,
         "largest_size_max_abs": max((abs(e["rel_error"]) for e in top), default=math.nan),
     }
@@ -124,6 +129,12 @@ def main() -> None:
         f"smaller ones {100 * held['largest_size_max_abs']:.2f}% (on its own fitted points: "
         f"{100 * result['law_max_abs_rel_error']:.2f}%)"
     )
+    print(
+        "  left one out, by size: "
+        + ", ".join(
+            f"N {float(n):,.0f}: {100 * e:.2f}%" for n, e in held["leave_one_out_max_abs_by_size"].items()
+        )
+    )
     changes = {
         c["name"]: {
             "multipliers": c["multipliers"],
@@ -146,6 +157,7 @@ def main() -> None:
         "law": {k: result["law"]["params"][k] for k in result["law"]["params"]},
         "law_fitted_max_abs_rel_error": result["law_max_abs_rel_error"],
         "law_heldout_max_abs_rel_error": held["leave_one_out_max_abs"],
+        "law_heldout_max_abs_rel_error_by_size": held["leave_one_out_max_abs_by_size"],
         "law_largest_size_max_abs_rel_error": held["largest_size_max_abs"],
         "seed_sigma": result["seed_sigma"],
         "study_wall_s": result["wall_s"],

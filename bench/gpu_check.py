@@ -675,7 +675,8 @@ def main() -> None:
         data = Path(args.data or "runs/data/stdlib")
         start = time.perf_counter()
         record = measure_shape(args.shape, device, args.steps, args.skip, device.type == "cpu", data)
-        record["throughput"]["seconds"] = round(time.perf_counter() - start, 1)  # measuring, not start or exit
+        # the measuring's seconds, not the process's start or exit
+        record["throughput"]["seconds"] = round(time.perf_counter() - start, 1)
         print(MARKER + json.dumps(record))
         return
 

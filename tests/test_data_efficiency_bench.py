@@ -61,6 +61,10 @@ def test_a_point_off_the_law_shows_as_its_own_error_with_its_seed_noise(bench):
     assert moved["seeds"] == 2
     others = [abs(e["rel_error"]) for k, e in errors.items() if k != (5e5, 8.0, 2.5e5)]
     assert max(others) < 0.02  # a robust (Huber) fit is not dragged far by the one point
+    by_size = held["leave_one_out_max_abs_by_size"]  # the miss is named by its size
+    assert list(by_size) == ["100000", "500000", "1500000"]
+    assert by_size["500000"] == held["leave_one_out_max_abs"]
+    assert max(by_size["100000"], by_size["1500000"]) < 0.02
 
 
 def test_a_points_measured_loss_is_the_median_of_its_seeds(bench):

@@ -344,6 +344,14 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
         "min_tokens_per_param = 0.1\neval_bytes = 20000\nevals_per_run = 0\n"
     )
     out = tmp_path / "out"
+    assert main(["derisk", "--config", str(study), "--out", str(out), "--dry-run"]) == 0
+    planned = capsys.readouterr().out  # the plan, each run's time measured here and the sum: as the ladder's
+    assert (
+        "est. time" in planned
+        and "14 runs, " in planned
+        and " on this machine (measured step times)" in planned
+    )
+    assert not out.exists()  # nothing trained, nothing written
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     # 2 sizes x (3 fractions x (fresh + each U below their tokens) + rope): 14 runs, the first the shortest

@@ -152,6 +152,10 @@ def test_cli_derisk_end_to_end_writes_the_report(tiny_data, tmp_path, capsys):
         '[ladder]\ngrid = "ratio"\nmin_steps = 20\nmax_depth = 1\neval_bytes = 20000\n'
     )
     out = tmp_path / "out"
+    assert main(["derisk", "--config", str(study), "--out", str(out), "--dry-run"]) == 0
+    planned = capsys.readouterr().out  # the stages, then the plan with each run's time measured here
+    assert "\nrope: " in planned and 'model.pos="rope"' in planned and "est. time" in planned
+    assert "8 runs, " in planned and " on this machine (measured step times)" in planned
     assert main(["derisk", "--config", str(study), "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     assert "| rope | baseline |" in report and "**" in report

@@ -46,8 +46,8 @@ import numpy as np
 
 from tenx.errors import ConfigError, DataError
 from tenx.scaling.derisk import DeriskConfig, format_multiplier, prepare_stack, verdict
-from tenx.scaling.ladder import config_key, load_base, run_planned
-from tenx.scaling.rungs import PlannedRun, format_ladder_plan, plan_ladder
+from tenx.scaling.ladder import config_key, format_dry_run, load_base, run_planned
+from tenx.scaling.rungs import PlannedRun, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 SHOWN = (0.01, 100.0)
@@ -450,7 +450,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     if dry_run:
         for name in ["baseline", *(c.name for c in dc.change)]:
             print(f"{name}: {len([p for p in planned if p.stage == name])} runs")
-        print(format_ladder_plan([p.run for p in planned]))
+        print(format_dry_run([p.run for p in planned], dc.ladder))
         return {}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))

@@ -47,8 +47,8 @@ import numpy as np
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.scaling.ladder import config_key, ensure_data, load_base, run_planned
-from tenx.scaling.rungs import LadderConfig, PlannedRun, format_ladder_plan, plan_ladder
+from tenx.scaling.ladder import config_key, ensure_data, format_dry_run, load_base, run_planned
+from tenx.scaling.rungs import LadderConfig, PlannedRun, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 Z95 = 1.959963984540054
@@ -524,7 +524,7 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     if dry_run:
         for st in stages:
             print(f"{st.name}: {' '.join(st.overrides) or '(base config)'}")
-        print(format_ladder_plan([r for st in stages for r in st.runs]))
+        print(format_dry_run([r for st in stages for r in st.runs], dc.ladder))
         return {}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))

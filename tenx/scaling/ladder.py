@@ -71,6 +71,7 @@ __all__ = [
     "estimate_seconds",
     "evaluate_run",
     "format_checks",
+    "format_dry_run",
     "format_ladder_plan",
     "load_base",
     "measure_tokens_per_s",
@@ -481,6 +482,21 @@ def load_base(config: str | Path, overrides: list[str] | None = None) -> RunConf
     return load_run_config(resolve_config_path(str(config)), overrides)
 
 
+def format_dry_run(
+    plan: list[PlannedRun], lc: LadderConfig, footer: str | None = None, *, estimate: bool = True
+) -> str:
+    """What a dry run prints (`tenx ladder` and `tenx derisk`, both modes): the plan's table with, when
+    `estimate`, each run's time on this machine (each shape's steps timed on its worker's share of the
+    threads, as it will train) and the plan's wall time as run_planned schedules it on lc.workers."""
+    if not estimate:
+        return format_ladder_plan(plan, footer=footer)
+    shapes = len({(r.depth, r.config.train.micro_batch) for r in plan})
+    _say(f"timing the training steps of each of the plan's {shapes} model shapes on this machine")
+    seconds = estimate_seconds([slot_config(r, 0, lc.workers) for r in plan], lc, progress=_say)
+    wall = (lc.workers, workers_seconds(plan, seconds, lc.workers))
+    return format_ladder_plan(plan, seconds, footer, wall) + contention_note()
+
+
 def run_ladder(
     base: RunConfig,
     lc: LadderConfig,
@@ -507,15 +523,7 @@ def run_ladder(
     footer = format_checks(checks, lc) if lc.grid == "isoflop" else None
     out = Path(out)
     if dry_run:
-        seconds, note = None, ""
-        if estimate:
-            shapes = len({(r.depth, r.config.train.micro_batch) for r in plan})
-            _say(f"timing the training steps of each of the plan's {shapes} model shapes on this machine")
-            # each run timed on its worker's slot (its share of the threads): how it will train
-            seconds = estimate_seconds([slot_config(r, 0, lc.workers) for r in plan], lc, progress=_say)
-            note = contention_note()
-        wall = None if seconds is None else (lc.workers, workers_seconds(plan, seconds, lc.workers))
-        print(format_ladder_plan(plan, seconds, footer, wall) + note)
+        print(format_dry_run(plan, lc, footer, estimate=estimate))
         return []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
