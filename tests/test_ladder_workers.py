@@ -10,11 +10,6 @@ from tenx.cli import build_parser, main
 from tenx.errors import ConfigError
 from tenx.scaling.ladder import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
 from tenx.scaling.ladder_estimate import workers_seconds
-from tenx.train.config import CONFIG_DIR, load_run_config
-
-
-def tiny_config_for(data) -> object:
-    return load_run_config(CONFIG_DIR / "tiny.toml", [f'data.dir="{data}"', "train.micro_batch=8"])
 
 
 def _lc(workers: int) -> LadderConfig:
@@ -91,10 +86,12 @@ def test_workers_is_a_flag_of_ladder_and_derisk():
         parser.parse_args(["derisk", "--workers", "0", "--out", "x"])
 
 
-def test_the_dry_run_estimates_the_plan_as_the_workers_will_train_it(tiny_data, tmp_path, capsys):
+def test_the_dry_run_estimates_the_plan_as_the_workers_will_train_it(
+    tiny_config, tiny_data, tmp_path, capsys
+):
     """Each run timed on its worker's share of the threads; the plan's wall time is the schedule's, costliest
     first onto the first free worker (run_planned's order), not the sum of its runs."""
-    plan = plan_ladder(tiny_config_for(tiny_data), _lc(2))
+    plan = plan_ladder(tiny_config(tiny_data, "train.micro_batch=8"), _lc(2))
     seconds = {r.name: float(i + 1) for i, r in enumerate(sorted(plan, key=lambda r: -r.flops))}  # 1, 2, 3, 4
     assert workers_seconds(plan, seconds, 1) == 10.0
     assert workers_seconds(plan, seconds, 2) == 6.0  # 1 then 3 on one worker; 2 then 4 on the other: 4, 6
