@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,48 @@ def plot_prediction(
     return _save(fig, ax, "step", f"{what} loss (nats/token)", title, out_png)
 
 
-def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path) -> Path:
+def plot_curve_predictions(
+    curves: list[dict[str, Any]], out_png: str | Path, title: str = "", ylabel: str = "loss (nats/token)"
+) -> Path:
+    """Several predicted curves on one log-step axis, each with its band and, where known, its observed
+    losses as points. Each dict: name, steps, loss, lower, upper, and optionally observed_steps and
+    observed (NaN where nothing was observed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lows, highs = [], []
+    for i, c in enumerate(curves):
+        color = colors[i % len(colors)]
+        ax.fill_between(c["steps"], c["lower"], c["upper"], alpha=0.18, color=color, lw=0)
+        ax.plot(c["steps"], c["loss"], lw=1.3, color=color, label=f"{c['name']} (predicted)")
+        obs_steps, obs = c.get("observed_steps"), c.get("observed")
+        if obs_steps is not None and obs is not None:
+            pairs = [(s, v) for s, v in zip(obs_steps, obs) if math.isfinite(v)]
+            if pairs:
+                ax.plot(*zip(*pairs), "o", ms=2.2, color=color, alpha=0.8)
+        tail = len(c["loss"]) // 10
+        lows.append(min(c["lower"]))
+        highs.append(max(c["upper"][tail:] or c["upper"]))
+    if lows:
+        lo, hi = min(lows), max(highs)
+        ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.1 * (hi - lo))
+    ax.set_xscale("log")
+    if len(curves) > 8:  # a legend of many runs hides the curves: name the points instead
+        ax.plot([], [], "o", ms=2.2, color="gray", label="observed")
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[-1:], ["observed (points); predicted (lines, 95% bands)"])
+        return _save(fig, ax, "step", ylabel, title, out_png, legend=False)
+    ax.plot([], [], "o", ms=2.2, color="gray", label="observed")
+    return _save(fig, ax, "step", ylabel, title, out_png)
+
+
+def _save(
+    fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path, legend: bool = True
+) -> Path:
     """Label, grid and legend the axes, write the figure as a PNG and close it."""
     import matplotlib.pyplot as plt
 
@@ -84,7 +126,8 @@ def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if legend:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     atomic_write_png(out_png, fig)

@@ -224,7 +224,7 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
-    """`tenx predict`: a run's whole predicted loss curve, from a ladder or from its own start."""
+    """`tenx predict`: a run's whole predicted loss curve, from a ladder, its own start or a curve table."""
     from tenx.scaling.predict import run_predict
 
     print(
@@ -233,6 +233,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
             config=args.config,
             overrides=args.set,
             run_dir=args.run,
+            curves=args.curves,
+            target=args.target,
+            split=args.split,
             law=args.law,
             world_size=args.world_size,
             bootstrap=args.bootstrap,

@@ -23,6 +23,7 @@ from tenx.monitor.loss_plot import plot_prediction
 from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.scaling.curve import (
     DEFAULT_LAW,
+    shape_prior,
     EXTRAPOLATION_LAW,
     CurvePrediction,
     extrapolate_run,
@@ -107,9 +108,12 @@ def predict_from_ladder(
     bootstrap: int = 30,
     config_name: str = "",
     quantity: str = "auto",
+    prior_curves: str | Path | None = None,
 ) -> tuple[Prediction, Any]:
     """Fit `law` to every run of the ladder in `ladder_dir` (its runs/ folder) and predict `cfg`'s curve
     of `quantity` (`ladder_curves`: `auto` takes the validation loss when every run logged enough of it).
+    With `prior_curves` (a curve table), the law's shape (exponents, lag, annealing) carries a soft prior
+    from a fit to those curves, and the prediction's source says so.
 
     Returns (prediction, the fit). The band combines the fit's bootstrap and the scatter of the ladder's
     smoothed curves about it (seed and data-order noise included)."""
@@ -120,7 +124,11 @@ def predict_from_ladder(
             f"{ladder_dir}: not a ladder directory (no runs/ folder); run `tenx ladder --out {ladder_dir}` first"
         )
     curves = ladder_curves(runs, quantity)
-    fit = fit_curves(curves, law, bootstrap=bootstrap)
+    prior, said = None, {}
+    if prior_curves is not None:
+        published, said = _curves_prior(prior_curves, law)
+        prior = shape_prior(published)
+    fit = fit_curves(curves, law, bootstrap=bootstrap, prior=prior)
     tps = tokens_per_step(cfg.train, cfg.model.seq_len, world_size)
     steps = total_steps(cfg.train, tps)
     schedule = schedule_from_config(cfg.optim, steps, tps)
@@ -135,6 +143,7 @@ def predict_from_ladder(
         "largest_ladder_params": largest,
         "extrapolation_in_params": params / largest,
         "window_sigma": fit.window_sigma,
+        **said,
     }
     target = {"config": config_name, "steps": steps, "tokens_per_step": tps, "world_size": world_size}
     q = curves[0].quantity
@@ -159,21 +168,146 @@ def ladder_curves(runs: Path, quantity: str = "auto") -> list[Any]:
 
 
 def predict_from_run(
-    run_dir: str | Path, *, law: str = EXTRAPOLATION_LAW, bootstrap: int = 20, quantity: str = "loss"
+    run_dir: str | Path,
+    *,
+    law: str = EXTRAPOLATION_LAW,
+    bootstrap: int = 20,
+    quantity: str = "loss",
+    prior_curves: str | Path | None = None,
 ) -> tuple[Prediction, Any]:
     """Extrapolate a run's curve of `quantity` (`loss` or `val_loss`) so far to its last step (its
-    config's schedule)."""
+    config's schedule). With `prior_curves` (a curve table) the law's shape prior is a fit to those curves
+    instead of DEFAULT_PRIORS, and the prediction's source says so."""
     from tenx.scaling.curve import curve_from_run
 
     if quantity not in QUANTITIES:
         raise ConfigError(f"--quantity: {quantity!r} is not one of {', '.join(QUANTITIES)} for --run")
     curve = curve_from_run(run_dir, quantity=quantity)
     steps_so_far = int(curve.steps.max()) if len(curve.steps) else 0
-    cp, fit = extrapolate_run(curve, law, bootstrap=bootstrap)
-    source = {"kind": "self", "run_dir": str(run_dir), "upto_step": steps_so_far}
+    prior, said = None, {}
+    if prior_curves is not None:
+        published, said = _curves_prior(prior_curves, law)
+        prior = shape_prior(published)
+    cp, fit = extrapolate_run(curve, law, bootstrap=bootstrap, prior=prior)
+    source = {"kind": "self", "run_dir": str(run_dir), "upto_step": steps_so_far, **said}
     target = {"steps": curve.schedule.steps, "tokens_per_step": curve.config.get("tokens_per_step")}
     window = _window(steps_so_far or curve.schedule.steps, 24) if quantity == "loss" else 1
     return _to_prediction(cp, window, source, target, quantity), fit
+
+
+PREDICTION_CSV = "prediction.csv"
+"""`tenx predict --curves`: every target row past warmup, `run,step,loss,lower,upper`."""
+
+
+def curve_fit_of(
+    fit_table: Any, *, law: str = DEFAULT_LAW, bootstrap: int = 30, split: str | None = None
+) -> tuple[Any, list[Any]]:
+    """Fit `law` to every observed curve of a curve table (one split): the size law across 3 or more sizes,
+    else a level per size. Returns (fit, the table's runs of that split)."""
+    runs = fit_table.select(split)
+    curves = [r.curve() for r in runs if r.observed.any()]
+    if not curves:
+        raise ConfigError(f"--curves {fit_table.path}: no run has a logged loss to fit")
+    return fit_curves(curves, law, bootstrap=bootstrap), runs
+
+
+def predict_from_curves(
+    fit_table: Any,
+    target_table: Any,
+    *,
+    law: str = DEFAULT_LAW,
+    bootstrap: int = 30,
+    split: str | None = None,
+) -> tuple[list[tuple[Any, Prediction, CurvePrediction]], Any, list[str]]:
+    """Fit `law` to the curves of `fit_table` (tenx.scaling.curve.curve_table) and predict every run of
+    `target_table` on its own schedule and size. Returns ([(target run, prediction, curve)], the fit, the
+    regime warnings of both tables)."""
+    from tenx.scaling.curve.curve_table import curve_regime_warnings
+
+    split = fit_table.pick_split(split)
+    fit, fit_runs = curve_fit_of(fit_table, law=law, bootstrap=bootstrap, split=split)
+    targets = target_table.select(target_table.pick_split(None) if split is None else split)
+    largest = max(fit.sizes)
+    out = []
+    for run in targets:
+        schedule = run.schedule()
+        cp = predict_curve(fit, schedule, run.params)
+        source = {
+            "kind": "curves",
+            "curves": str(fit_table.path),
+            "runs": len(fit.curves),
+            "size_law": fit.size_law,
+            "largest_fitted_params": largest,
+            "extrapolation_in_params": run.params / largest,
+            "window_sigma": fit.window_sigma,
+        }
+        target = {"run": run.run, "table": str(target_table.path), "steps": run.last_step}
+        target["tokens_per_step"] = run.tokens_per_step
+        quantity = "val_loss" if run.split == "val" else "loss"
+        out.append((run, _to_prediction(cp, 1, source, target, quantity), cp))
+    warnings = curve_regime_warnings(fit_runs, "fitted") + curve_regime_warnings(targets, "predicted")
+    return out, fit, warnings
+
+
+def prediction_rows(run: Any, cp: CurvePrediction) -> list[dict[str, Any]]:
+    """`run,step,loss,lower,upper` of each of the target run's rows past warmup (and its observed loss)."""
+    first = cp.steps[0]
+    rows = []
+    for step, observed in zip(run.steps, run.loss):
+        if step < first:
+            continue
+        i = int(step) - first
+        rows.append(
+            {
+                "run": run.run,
+                "step": int(step),
+                "loss": cp.loss[i],
+                "lower": cp.lower[i],
+                "upper": cp.upper[i],
+                "observed": float(observed),
+            }
+        )
+    return rows
+
+
+def write_prediction_csv(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """prediction.csv (run,step,loss,lower,upper), atomically."""
+    import csv
+    import io
+
+    from tenx.utils.io import atomic_write_text
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["run", "step", "loss", "lower", "upper"])
+    for r in rows:
+        writer.writerow([r["run"], r["step"], *(f"{r[k]:.6g}" for k in ("loss", "lower", "upper"))])
+    atomic_write_text(path, buf.getvalue())
+    return Path(path)
+
+
+def observed_errors(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean and worst relative error, and band coverage, over the rows that have an observed loss."""
+    seen = [r for r in rows if np.isfinite(r["observed"])]
+    if not seen:
+        return None
+    err = np.array([r["loss"] / r["observed"] - 1 for r in seen])
+    inside = np.array([r["lower"] <= r["observed"] <= r["upper"] for r in seen])
+    return {
+        "rows": len(seen),
+        "mean": float(np.abs(err).mean()),
+        "worst": float(np.abs(err).max()),
+        "coverage": float(inside.mean()),
+    }
+
+
+def _curves_prior(curves_path: str | Path, law: str) -> tuple[Any, dict[str, Any]]:
+    """A fit of `law` to a curve table's runs, to be a prior on a law's shape, and what to say about it."""
+    from tenx.scaling.curve.curve_table import read_curve_table
+
+    table = read_curve_table(curves_path)
+    fit, _ = curve_fit_of(table, law=law, bootstrap=0)
+    return fit, {"prior": f"shape of {law} fitted to {len(fit.curves)} runs of {curves_path}"}
 
 
 def write_outputs(
@@ -252,6 +386,9 @@ def run_predict(
     config: str | None = None,
     overrides: list[str] | None = None,
     run_dir: str | Path | None = None,
+    curves: str | Path | None = None,
+    target: str | Path | None = None,
+    split: str | None = None,
     law: str | None = None,
     world_size: int = 1,
     bootstrap: int = 30,
@@ -259,19 +396,32 @@ def run_predict(
     quantity: str | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """What `tenx predict` does: predict (from a ladder for `config`, or a run from its own curve), write
-    prediction.json and prediction.png, and return {"prediction", "paths", "text"}.
+    """What `tenx predict` does: predict (from a ladder for `config`, a run from its own curve, or the runs
+    of a curve table `target` from the curves of `curves`), write prediction.json and prediction.png (and
+    prediction.csv for a target table), and return {"prediction", "paths", "text"}.
 
+    `curves` with `ladder_dir` or `run_dir`: a curve table whose fit is the prior on the law's shape.
     `out`: the output directory; the default one is rewritten each time, files in any other are replaced
     only with `force`, and a run directory's own prediction.json never (check_out_dir)."""
     from tenx.train.config import load_run_config, resolve_config_path
 
-    if (ladder_dir is None) == (run_dir is None):
-        raise ConfigError("tenx predict: give either --from LADDER_DIR (with --config) or --run RUN_DIR")
-    if world_size < 1:
-        raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
     if not 0 <= bootstrap <= MAX_BOOTSTRAP:
         raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
+    if target is not None:
+        if ladder_dir is not None or run_dir is not None or config or overrides:
+            raise ConfigError("tenx predict --target: give --curves FIT and --out DIR, not --from/--run/--config")
+        if curves is None or out is None:
+            raise ConfigError("tenx predict --target TARGET: also give --curves FIT (the runs to fit) and --out DIR")
+        return _run_predict_table(curves, target, out, law or DEFAULT_LAW, bootstrap, split, force)
+    if split is not None:
+        raise ConfigError("--split: only with --curves FIT --target TARGET")
+    if (ladder_dir is None) == (run_dir is None):
+        raise ConfigError(
+            "tenx predict: give either --from LADDER_DIR (with --config), --run RUN_DIR, or --curves FIT "
+            "--target TARGET --out DIR"
+        )
+    if world_size < 1:
+        raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
     out_dir = default_out(run_dir, ladder_dir, config or "")
     if out is not None:
         out_dir = check_out_dir(out, run_dir, force)
@@ -279,7 +429,11 @@ def run_predict(
         if config or overrides:
             raise ConfigError("tenx predict --run: the run's own config.toml is used; drop --config/--set")
         prediction, _ = predict_from_run(
-            run_dir, law=law or EXTRAPOLATION_LAW, bootstrap=bootstrap, quantity=quantity or "loss"
+            run_dir,
+            law=law or EXTRAPOLATION_LAW,
+            bootstrap=bootstrap,
+            quantity=quantity or "loss",
+            prior_curves=curves,
         )
         metrics: Path | None = rundir.RunDir(run_dir).metrics
         title = f"{run_dir}: extrapolated from its own curve"
@@ -296,11 +450,81 @@ def run_predict(
             bootstrap=bootstrap,
             config_name=config,
             quantity=quantity or "auto",
+            prior_curves=curves,
         )
         metrics, title = None, f"{config}: predicted from {ladder_dir}"
     paths = write_outputs(prediction, out_dir, metrics, title)
     text = f"{format_prediction(prediction)}\nprediction: {paths['prediction']}\nplot: {paths['plot']}"
     return {"prediction": prediction, "paths": paths, "text": text}
+
+
+def _run_predict_table(
+    curves: str | Path,
+    target: str | Path,
+    out: str | Path,
+    law: str,
+    bootstrap: int,
+    split: str | None,
+    force: bool,
+) -> dict[str, Any]:
+    """`tenx predict --curves FIT --target TARGET --out DIR`."""
+    from tenx.monitor.loss_plot import plot_curve_predictions
+    from tenx.scaling.curve.curve_table import read_curve_table
+
+    out_dir = check_out_dir(out, None, force)
+    try:
+        check_output_file(out_dir / PREDICTION_CSV, force=force, inputs=(curves, target))
+    except TenxError as e:
+        raise TenxError(f"-o {out}: {e}") from None
+    fit_table, target_table = read_curve_table(curves), read_curve_table(target)
+    results, fit, warnings = predict_from_curves(
+        fit_table, target_table, law=law, bootstrap=bootstrap, split=split
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [row for run, _, cp in results for row in prediction_rows(run, cp)]
+    paths: dict[str, Path] = {"csv": write_prediction_csv(out_dir / PREDICTION_CSV, rows)}
+    paths["prediction"] = write_prediction(out_dir / PREDICTION, results[0][1])
+    if len(results) > 1:  # prediction.json holds the first run; each run's is under runs/
+        for run, prediction, _ in results:
+            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run.run).lstrip(".")
+            (out_dir / "runs" / safe).mkdir(parents=True, exist_ok=True)
+            write_prediction(out_dir / "runs" / safe / PREDICTION, prediction)
+    plotted = [
+        {
+            "name": run.run,
+            "steps": cp.steps,
+            "loss": cp.loss,
+            "lower": cp.lower,
+            "upper": cp.upper,
+            "observed_steps": run.steps.tolist(),
+            "observed": run.loss.tolist(),
+        }
+        for run, _, cp in results
+    ]
+    what = "validation" if results[0][0].split == "val" else "training"
+    title = f"{Path(target).name} predicted from {len(fit.curves)} runs of {Path(curves).name} ({law})"
+    paths["plot"] = plot_curve_predictions(plotted, out_dir / PREDICTION_PNG, title, f"{what} loss (nats/token)")
+    lines = [f"WARNING: {w}" for w in warnings]
+    largest = max(fit.sizes)
+    lines.append(
+        f"fitted {law} ({fit.size_law} sizes) to {len(fit.curves)} runs of {curves}; predicted "
+        f"{len(results)} run(s) of {target}:"
+    )
+    for run, prediction, cp in results:
+        f = prediction.final
+        errors = observed_errors(prediction_rows(run, cp))
+        seen = (
+            f"; observed rows: mean error {100 * errors['mean']:.2f}%, worst {100 * errors['worst']:.2f}%, "
+            f"{100 * errors['coverage']:.0f}% inside the band"
+            if errors
+            else ""
+        )
+        lines.append(
+            f"  {run.run}: step {f['step']} loss {f['loss']:.4f} ({round(100 * prediction.level)}% band "
+            f"{f['lower']:.4f} .. {f['upper']:.4f}), {run.params / largest:.2g}x the largest fitted size{seen}"
+        )
+    lines += [f"prediction: {paths['prediction']}", f"table: {paths['csv']}", f"plot: {paths['plot']}"]
+    return {"prediction": results[0][1], "paths": paths, "text": "\n".join(lines), "warnings": warnings}
 
 
 def add_arguments(pp: Any) -> None:
@@ -319,6 +543,20 @@ def add_arguments(pp: Any) -> None:
         help="override the config (repeatable)",
     )
     pp.add_argument("--run", metavar="RUN_DIR", help="extrapolate this run from its curve so far instead")
+    pp.add_argument(
+        "--curves",
+        metavar="FIT",
+        help="a curve table (.jsonl/.csv, docs/prediction.md) of runs to fit: with --target, predict its "
+        "runs; with --run or --from, a prior on the law's shape",
+    )
+    pp.add_argument(
+        "--target",
+        metavar="TARGET",
+        help="a curve table of the runs to predict (every row past warmup; rows with a loss are compared)",
+    )
+    pp.add_argument(
+        "--split", choices=["val", "train"], help="with --target: the loss to fit (default: the one every run has)"
+    )
     pp.add_argument(
         "--law",
         choices=sorted(LAWS),

@@ -38,6 +38,7 @@ from tenx.scaling.curve.extrapolate import (
     extrapolate_run,
     predict_curve,
     prior_from,
+    shape_prior,
 )
 from tenx.scaling.curve.fitting import CurveFit, fit_curves, fit_from_params, log_predict
 from tenx.scaling.curve.schedule import (
@@ -85,5 +86,6 @@ __all__ = [
     "schedule_from_config",
     "schedule_from_lr",
     "self_extrapolation_error",
+    "shape_prior",
     "split_error",
 ]

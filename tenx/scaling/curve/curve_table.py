@@ -33,7 +33,7 @@ import numpy as np
 
 from tenx.errors import ConfigError, DataError
 from tenx.scaling.curve.schedule import MAX_STEPS, Curve, Schedule
-from tenx.utils.io import atomic_write_text
+from tenx.utils.io import atomic_write_text, jsonl_records
 
 REQUIRED = ("run", "params", "tokens_per_step", "step", "lr", "loss")
 """Columns every curve table has (a row may leave `loss` empty: a step to predict)."""
@@ -317,7 +317,7 @@ class _Builder:
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # a spreadsheet may add a BOM
         reader = csv.reader(f)
         try:
             header = [h.strip() for h in next(reader)]
@@ -340,20 +340,6 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield line, {c: row[i] for c, i in index}
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except ValueError as e:
-                raise DataError(f"{path}: line {line}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: line {line}: expected a JSON object, got {type(row).__name__}")
-            yield line, row
-
-
 def read_curve_table(path: str | Path) -> CurveTable:
     """Read and check a curve table (.jsonl or .csv); DataError naming the file, line and field."""
     p = Path(path)
@@ -361,7 +347,7 @@ def read_curve_table(path: str | Path) -> CurveTable:
     if not p.is_file():
         raise DataError(f"{p}: no such curve table file")
     builder = _Builder(str(p))
-    rows = _csv_rows(p) if fmt == "csv" else _jsonl_rows(p)
+    rows = _csv_rows(p) if fmt == "csv" else jsonl_records(p)
     for line, row in rows:
         builder.add(row, line)
     return builder.table()
@@ -415,10 +401,20 @@ def format_rows(rows: Iterable[dict[str, Any]], fmt: str) -> str:
 
 
 def write_curve_table(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
-    """Write rows as a curve table (format from the suffix), atomically; checked by reading it back."""
+    """Write rows as a curve table (format from the suffix), atomically, once they pass the reader's checks
+    (a bad row is a DataError naming the line it would have had, and nothing is written)."""
     p = Path(path)
-    atomic_write_text(p, format_rows(rows, table_format(p)))
-    read_curve_table(p)
+    fmt = table_format(p)
+    rows = list(rows)
+    text = format_rows(rows, fmt)
+    builder = _Builder(str(p))
+    first_line = 2 if fmt == "csv" else 1  # a CSV table's first line is its header
+    for i, row in enumerate(rows):
+        loss = row.get("loss")
+        checked = dict(row, loss=None if isinstance(loss, float) and math.isnan(loss) else loss)
+        builder.add(checked, first_line + i)
+    builder.table()
+    atomic_write_text(p, text)
     return p
 
 
@@ -438,3 +434,49 @@ def rows_of(run: TableRun) -> list[dict[str, Any]]:
         }
         for s, lr, loss in zip(run.steps, run.lr, run.loss)
     ]
+
+
+MIN_TOKENS_PER_PARAM = 5.0
+"""Below this many training tokens per parameter a run is far from every regime the curve laws were made
+for (and published curves cover): most of its curve is the early, fast fall."""
+RISE_TOLERANCE = 0.01
+"""A curve whose loss, once the learning rate stops rising, ends this far (relative) above its lowest point
+rises again: overfitting repeated data, or an instability, which no curve law describes."""
+
+
+def curve_regime_warnings(runs: Sequence[TableRun], role: str = "") -> list[str]:
+    """Warnings for runs in regimes the curve laws cannot describe, each naming the run: fewer than
+    MIN_TOKENS_PER_PARAM tokens per parameter, data repeated (unique_tokens below the tokens trained), a
+    loss that rises again by more than RISE_TOLERANCE after its lowest point."""
+    out = []
+    what = f"{role} run" if role else "run"
+    for r in runs:
+        per_param = r.tokens / r.params
+        if per_param < MIN_TOKENS_PER_PARAM:
+            out.append(
+                f"{what} {r.run!r} trains {per_param:.2g} tokens per parameter (below {MIN_TOKENS_PER_PARAM:g}): "
+                "the curve laws describe runs past the first fast fall; treat its figures as outside their range"
+            )
+        if r.unique_tokens is not None and r.tokens > r.unique_tokens * 1.0001:
+            out.append(
+                f"{what} {r.run!r} repeats its data ({r.tokens / r.unique_tokens:.3g} epochs of "
+                f"{r.unique_tokens:.3g} unique tokens): the curve laws assume fresh data; repeated data is "
+                "the data-constrained law's regime (tenx fit --law data-constrained)"
+            )
+        seen = r.observed
+        steps, loss = r.steps[seen], r.loss[seen]
+        if len(loss) >= 8:
+            after_peak = steps >= int(r.steps[int(np.argmax(r.lr))])
+            tail = loss[after_peak] if after_peak.sum() >= 8 else loss
+            k = max(2, len(tail) // 20)  # mean of a few records: one noisy record is not a rise
+            smooth = np.convolve(tail, np.ones(k) / k, mode="valid")
+            low = int(np.argmin(smooth))
+            if smooth[-1] > smooth[low] * (1 + RISE_TOLERANCE):
+                step_low = int(steps[after_peak][low] if after_peak.sum() >= 8 else steps[low])
+                out.append(
+                    f"{what} {r.run!r}: its loss rises again after step {step_low}, by "
+                    f"{100 * (smooth[-1] / smooth[low] - 1):.1f}% (overfitting repeated data, or an "
+                    "instability): the curve laws describe a loss that does not rise, so its figures are "
+                    "not trustworthy"
+                )
+    return out

@@ -145,6 +145,18 @@ def prior_from(
     return out
 
 
+SHAPE_PARAMETERS = ("alpha", "p", "beta", "gamma")
+"""The law parameters without units: the same whatever the model's size, tokens or loss scale, so a prior
+on them can come from runs of another scale (published curves) where coefficients and lags cannot."""
+
+
+def shape_prior(fit: CurveFit, sd: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
+    """A soft prior (centre, sd) on the unit-free shape parameters (SHAPE_PARAMETERS) of `fit`'s law, from
+    a fit to curves of any scale: levels, coefficients and the lag stay free."""
+    widths = {**PRIOR_SD, **(sd or {})}
+    return {n: (v, widths[n]) for n, v in zip(fit.names, fit.theta) if n in SHAPE_PARAMETERS}
+
+
 def extrapolate_run(
     curve: Curve,
     law: str = EXTRAPOLATION_LAW,
