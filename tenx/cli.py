@@ -23,6 +23,7 @@ from tenx.monitor.dashboard import cli as dashboard_cli
 from tenx.parallel import cli as parallel_cli
 from tenx.plan import cli as plan_cli
 from tenx.scaling import cli as scaling_cli
+from tenx.scaling import curves_cli
 from tenx.triage import cli as triage_cli
 from tenx.utils.cli import Parser
 from tenx.utils.io import STORAGE_ERRNOS, storage_error
@@ -35,6 +36,7 @@ REGISTRATIONS = (
     triage_cli.register,  # incidents, replay, triage
     parallel_cli.register,  # lighthouse (replica groups across clusters)
     scaling_cli.register,  # ladder, derisk, fit, predict
+    curves_cli.register,  # curves convert, curves check (curve tables from any trainer's logs)
     eval_cli.register,  # eval, sample
     export_cli.register,  # export (Hugging Face transformers)
     compress_cli.register,  # compress, decompress

@@ -145,6 +145,7 @@ def _base(command: str, w: dict, n: int) -> list[str]:
                    "--change", "wide:model.aspect_ratio=64"],
         "fit": ["fit", str(w["ladder"]), "--no-plot", "--out", out, "--bootstrap", "4"],
         "predict": ["predict", "--run", run, "-o", f"{out}.json"],
+        "curves convert": ["curves", "convert", "--from-run", run, "--out", f"{out}.jsonl"],
         "eval": ["eval", run, "--split", "val", "--out", f"{out}.json"],
         "sample": ["sample", run, "--max-new-tokens", "4"],
         "compress": ["compress", run, str(root / "doc.py"), "-o", f"{out}.tenx"],

@@ -23,7 +23,6 @@ from tenx.monitor.loss_plot import plot_prediction
 from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.scaling.curve import (
     DEFAULT_LAW,
-    shape_prior,
     EXTRAPOLATION_LAW,
     CurvePrediction,
     extrapolate_run,
@@ -31,6 +30,7 @@ from tenx.scaling.curve import (
     predict_curve,
     read_curves,
     schedule_from_config,
+    shape_prior,
 )
 from tenx.train.config import RunConfig, tokens_per_step, total_steps
 from tenx.utils.io import check_output_file
@@ -249,7 +249,7 @@ def predict_from_curves(
     return out, fit, warnings
 
 
-def prediction_rows(run: Any, cp: CurvePrediction) -> list[dict[str, Any]]:
+def target_rows(run: Any, cp: CurvePrediction) -> list[dict[str, Any]]:
     """`run,step,loss,lower,upper` of each of the target run's rows past warmup (and its observed loss)."""
     first = cp.steps[0]
     rows = []
@@ -409,9 +409,13 @@ def run_predict(
         raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
     if target is not None:
         if ladder_dir is not None or run_dir is not None or config or overrides:
-            raise ConfigError("tenx predict --target: give --curves FIT and --out DIR, not --from/--run/--config")
+            raise ConfigError(
+                "tenx predict --target: give --curves FIT and --out DIR, not --from/--run/--config"
+            )
         if curves is None or out is None:
-            raise ConfigError("tenx predict --target TARGET: also give --curves FIT (the runs to fit) and --out DIR")
+            raise ConfigError(
+                "tenx predict --target TARGET: also give --curves FIT (the runs to fit) and --out DIR"
+            )
         return _run_predict_table(curves, target, out, law or DEFAULT_LAW, bootstrap, split, force)
     if split is not None:
         raise ConfigError("--split: only with --curves FIT --target TARGET")
@@ -481,7 +485,7 @@ def _run_predict_table(
         fit_table, target_table, law=law, bootstrap=bootstrap, split=split
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for run, _, cp in results for row in prediction_rows(run, cp)]
+    rows = [row for run, _, cp in results for row in target_rows(run, cp)]
     paths: dict[str, Path] = {"csv": write_prediction_csv(out_dir / PREDICTION_CSV, rows)}
     paths["prediction"] = write_prediction(out_dir / PREDICTION, results[0][1])
     if len(results) > 1:  # prediction.json holds the first run; each run's is under runs/
@@ -503,7 +507,9 @@ def _run_predict_table(
     ]
     what = "validation" if results[0][0].split == "val" else "training"
     title = f"{Path(target).name} predicted from {len(fit.curves)} runs of {Path(curves).name} ({law})"
-    paths["plot"] = plot_curve_predictions(plotted, out_dir / PREDICTION_PNG, title, f"{what} loss (nats/token)")
+    paths["plot"] = plot_curve_predictions(
+        plotted, out_dir / PREDICTION_PNG, title, f"{what} loss (nats/token)"
+    )
     lines = [f"WARNING: {w}" for w in warnings]
     largest = max(fit.sizes)
     lines.append(
@@ -512,7 +518,7 @@ def _run_predict_table(
     )
     for run, prediction, cp in results:
         f = prediction.final
-        errors = observed_errors(prediction_rows(run, cp))
+        errors = observed_errors(target_rows(run, cp))
         seen = (
             f"; observed rows: mean error {100 * errors['mean']:.2f}%, worst {100 * errors['worst']:.2f}%, "
             f"{100 * errors['coverage']:.0f}% inside the band"
@@ -555,7 +561,9 @@ def add_arguments(pp: Any) -> None:
         help="a curve table of the runs to predict (every row past warmup; rows with a loss are compared)",
     )
     pp.add_argument(
-        "--split", choices=["val", "train"], help="with --target: the loss to fit (default: the one every run has)"
+        "--split",
+        choices=["val", "train"],
+        help="with --target: the loss to fit (default: the one every run has)",
     )
     pp.add_argument(
         "--law",

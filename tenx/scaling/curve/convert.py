@@ -192,7 +192,8 @@ def rows_from_tensorboard(
         if lr_key is None:
             raise DataError(_no_lr(where, "tag", lr_tag, tags, "lr_tag (--lr-tag)"))
         rel = d.relative_to(root).as_posix() if d != root else ""
-        name = _run_name(run, rel if several else "", root.name if d == root else rel)
+        alone = rel or (root.parent.name if root.is_file() else root.name)
+        name = _run_name(run, rel if several else "", alone)
         rows += _curve_rows(
             name,
             split,
@@ -243,13 +244,14 @@ def rows_from_wandb_csv(
         found = {name: _wandb_pick(p, name, metrics, loss_column, lr_column, split) for name, metrics in runs}
         picked = {name: cols for name, cols in found.items() if cols is not None}
         if not picked:
-            names = ", ".join(LOSS_NAMES[split])
-            raise DataError(
-                f"{p}: no {split} loss column ({names}); name it with loss_column (--loss-column). Columns: "
-                + ", ".join(repr(h) for h in header)
+            wanted = (
+                repr(loss_column) if loss_column else f"{split} loss column ({', '.join(LOSS_NAMES[split])})"
             )
-        wanted = {i for cols in picked.values() for i in cols}
-        points: dict[int, list[tuple[int, float]]] = {i: [] for i in wanted}
+            raise DataError(
+                f"{p}: line 1: no {wanted}; name one with loss_column (--loss-column). Columns: {_listed(header)}"
+            )
+        read = {i for cols in picked.values() for i in cols}
+        points: dict[int, list[tuple[int, float]]] = {i: [] for i in read}
         for cells in reader:
             if not cells or all(not c.strip() for c in cells):
                 continue
@@ -260,11 +262,11 @@ def rows_from_wandb_csv(
             step = _cell_number(p, line, header[step_at], raw_step)
             if step is None:
                 continue
-            if step != int(step):
+            if not math.isfinite(step) or step != int(step):
                 raise DataError(
                     f"{p}: line {line}: column {header[step_at]!r}: {raw_step!r} is not a whole step"
                 )
-            for i in wanted:
+            for i in read:
                 value = _cell_number(p, line, header[i], cells[i])
                 if value is not None:
                     if not math.isfinite(value):
@@ -336,10 +338,8 @@ def _row(
 ) -> dict[str, Any]:
     return {
         "run": run,
-        "params": int(params) if float(params).is_integer() else float(params),
-        "tokens_per_step": int(tokens_per_step)
-        if float(tokens_per_step).is_integer()
-        else float(tokens_per_step),
+        "params": _whole(params),
+        "tokens_per_step": _whole(tokens_per_step),
         "step": int(step),
         "lr": float(lr),
         "loss": loss,
@@ -347,6 +347,11 @@ def _row(
         "unique_tokens": None,
         "seed": None if seed is None else int(seed),
     }
+
+
+def _whole(x: float) -> int | float:
+    """A count as an int when it is whole (a table reads `508544`, not `508544.0`)."""
+    return int(x) if float(x).is_integer() else float(x)
 
 
 def _run_name(run: str | None, below: str, alone: str) -> str:
@@ -499,14 +504,12 @@ def _wandb_runs(header: list[str], step_at: int) -> list[tuple[str, dict[str, in
 def _wandb_pick(
     path: Path, name: str, metrics: dict[str, int], loss: str | None, lr: str | None, split: str
 ) -> tuple[int, int] | None:
-    """(loss column, lr column) of one run; None when it has no loss column and none was named."""
+    """(loss column, lr column) of one run; None when it has no such loss column (a run of another chart)."""
     where = f"{path}: run {name!r}" if name else str(path)
     columns = {**metrics, **{f"{name}{RUN_SEPARATOR}{m}": i for m, i in metrics.items()}} if name else metrics
     loss_key = _find(columns, loss, LOSS_NAMES[split])
     if loss_key is None:
-        if loss is None:
-            return None
-        raise DataError(_no_loss(where, "column", loss, split, metrics, "loss_column (--loss-column)"))
+        return None
     lr_key = _find(columns, lr, LR_NAMES)
     if lr_key is None:
         raise DataError(_no_lr(where, "column", lr, metrics, "lr_column (--lr-column)"))

@@ -44,6 +44,8 @@ MAX_DECAY_BLOCKS = 1024
 """Decay updates beyond this many are merged into this many blocks (the annealing sums are smooth in k):
 it bounds the work per predicted point whatever the run length (runs of up to 1024 steps are exact)."""
 PAPER_LAMBDA = 0.999
+LR_REFERENCE = 1e-3
+"""`tissue-lr`'s unit of learning rate (any constant: it only rescales the coefficient A)."""
 _TINY = 1e-12
 
 
@@ -75,6 +77,8 @@ class Design:
     """(n_max,) r_j of the updates any record has seen"""
     tokens_run: np.ndarray
     """(n_max,) tokens of those updates, millions"""
+    peak: float = 1.0
+    """the schedule's peak learning rate (the laws otherwise see only lr / peak)"""
 
 
 def _decay_blocks(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +117,7 @@ def design(schedule: Schedule, records: np.ndarray, params: float) -> Design:
         updates=n,
         ratio_run=schedule.ratio[: n.max(initial=0)],
         tokens_run=schedule.tokens[: n.max(initial=0)] / PROGRESS_UNIT,
+        peak=schedule.peak,
     )
 
 
@@ -175,9 +180,11 @@ def _tissue_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
     return np.stack([s1, lag], axis=1), dcols
 
 
-def _tissue_rate_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
+def _tissue_rate_columns(phi: np.ndarray, d: Design, grad: bool, absolute: bool = False) -> Columns:
     alpha, p = phi[0], phi[2]
     log_r = np.log(np.maximum(d.ratio_run, _TINY))
+    if absolute:  # the rate itself, relative to LR_REFERENCE: a lower peak makes less progress per token
+        log_r = log_r + math.log(d.peak / LR_REFERENCE)
     weighted = np.exp(p * log_r) * d.tokens_run
     area = np.concatenate([[0.0], np.cumsum(weighted)])[d.updates]
     s1, ds1 = _decline(area, alpha)
@@ -189,6 +196,10 @@ def _tissue_rate_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
     dcols[:, 0, 0], dcols[:, 1, 1] = ds1, dlag
     dcols[:, 0, 2] = -alpha * s1 / np.maximum(area, _TINY) * darea
     return np.stack([s1, lag], axis=1), dcols
+
+
+def _tissue_lr_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
+    return _tissue_rate_columns(phi, d, grad, absolute=True)
 
 
 def _tissue_paper_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
@@ -256,6 +267,18 @@ LAWS: dict[str, Law] = {
             (1.0, -1.0),
             ((0.01, 3.0), (math.log(1e-6), math.log(1e6)), (0.0, 2.0)),
             _tissue_rate_columns,
+            lambda tok, s1: _grid(
+                _ALPHAS, tuple(math.log(tok * f) for f in (0.01, 0.04, 0.15, 0.5)), (0.0, 0.5, 1.0)
+            ),
+        ),
+        Law(
+            "tissue-lr",
+            "L0 + A*S1p^-alpha - C*S2, S1p = sum_j (lr_j / 1e-3)^p tokens_j, S2 as tissue's",
+            ("alpha", "log_tau", "p"),
+            ("A", "C"),
+            (1.0, -1.0),
+            ((0.01, 3.0), (math.log(1e-6), math.log(1e6)), (0.0, 2.0)),
+            _tissue_lr_columns,
             lambda tok, s1: _grid(
                 _ALPHAS, tuple(math.log(tok * f) for f in (0.01, 0.04, 0.15, 0.5)), (0.0, 0.5, 1.0)
             ),

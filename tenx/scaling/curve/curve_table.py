@@ -292,9 +292,12 @@ class _Builder:
         out = CurveTable(self.path)
         for (name, split), r in self.runs.items():
             if len(r["steps"]) < 2:
-                raise DataError(
-                    f"{self.path}: line {r['first']}: run {name!r} ({split}) has a single row; a curve needs "
-                    "at least 2 (its learning rate and losses at two steps)"
+                raise _bad(
+                    self.path,
+                    r["first"],
+                    "run",
+                    f"run {name!r} ({split}) has a single row; a curve needs at least 2 (its learning rate "
+                    "and losses at two steps)",
                 )
             out.runs.append(
                 TableRun(
@@ -325,9 +328,13 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DataError(f"{path}: empty file (a curve table's first line names its columns)") from None
         missing = [c for c in REQUIRED if c not in header]
         if missing:
-            raise DataError(
-                f"{path}: line 1: the header lacks the column(s) {', '.join(missing)} (a curve table has "
-                f"{', '.join(REQUIRED)}, and optionally {', '.join(OPTIONAL)})"
+            raise _bad(
+                str(path),
+                1,
+                missing[0],
+                f"missing from the header{''.join(f', and so is {c!r}' for c in missing[1:])} (a curve table "
+                f"has the columns {', '.join(REQUIRED)}, and "
+                f"optionally {', '.join(OPTIONAL)}; this one has {', '.join(header)})",
             )
         index = [(c, header.index(c)) for c in COLUMNS if c in header]
         width = len(header)

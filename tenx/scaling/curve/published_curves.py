@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import DataError
+from tenx.utils.io import jsonl_records
 
 MPL_PARAMS = {"25": 25e6, "100": 100e6, "400": 400e6}
 """MultiPowerLaw's folders (csv_25 ...) and their nominal model sizes (the paper's)."""
@@ -94,7 +95,9 @@ def _streams(data: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray, np
     """{'train': (iter, loss, lr), 'val': (iter, loss, None)} with duplicates averaged."""
     h = data["history"]
     train = h.get("train", {})
-    it, loss, lr = _average_duplicates(train.get("iter", []), train.get("train_loss", []), train.get("train_lr", []))
+    it, loss, lr = _average_duplicates(
+        train.get("iter", []), train.get("train_loss", []), train.get("train_lr", [])
+    )
     val = h.get("val", {})
     vit, vloss = _average_duplicates(val.get("iter", []), val.get("val_loss", []))
     return {"train": (it, loss, lr), "val": (vit, vloss, None)}
@@ -154,7 +157,9 @@ def lr_scheduling(folder: str | Path) -> tuple[list[dict[str, Any]], dict[str, R
             try:
                 base = _pick_base(f, full, first)
             except DataError:  # continues another cooldown file's constant phase (a longer extension)
-                base = _pick_base(f, [(c, streams_of(c, depth + 1)[0]) for c in others if _segment(c.name)], first)
+                base = _pick_base(
+                    f, [(c, streams_of(c, depth + 1)[0]) for c in others if _segment(c.name)], first
+                )
             streams = _join(joined[base][0], streams)
             source += f" + {joined[base][1]}"
         joined[f] = (streams, source)
@@ -192,7 +197,9 @@ def lr_scheduling(folder: str | Path) -> tuple[list[dict[str, Any]], dict[str, R
         common = {"run": name, "params": params, "tokens_per_step": tps}
         for s, value, rate in zip(it, loss, lr):
             if s >= 1:
-                rows.append({**common, "step": int(s), "lr": float(rate), "loss": float(value), "split": "train"})
+                rows.append(
+                    {**common, "step": int(s), "lr": float(rate), "loss": float(value), "split": "train"}
+                )
         vit, vloss, _ = streams["val"]
         vlr = np.interp(vit, it, lr, left=np.nan)
         first_train = float(it[0])
@@ -260,7 +267,13 @@ def multipowerlaw(folder: str | Path) -> tuple[list[dict[str, Any]], dict[str, R
             if not table or not {"step", "lr", "loss"} <= set(table[0]):
                 raise DataError(f"{f}: expected the columns step, lr, loss")
             name = f"{size}M/{f.stem}"
-            kind = {"cosine": "cosine", "constant": "constant", "wsd": "wsd", "wsdld": "wsd", "wsdcon": "two-stage"}
+            kind = {
+                "cosine": "cosine",
+                "constant": "constant",
+                "wsd": "wsd",
+                "wsdld": "wsd",
+                "wsdcon": "two-stage",
+            }
             steps = [int(float(r["step"])) for r in table]
             horizon = int(m.group(3) or m.group(2) or steps[-1]) if m.group(1) != "wsdcon" else steps[-1]
             infos[name] = RunInfo(
@@ -296,15 +309,12 @@ def gemstones(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, RunInfo
     """Rows and run descriptions of a Gemstones constant-rate JSON-lines file (wandb_df_for_fitting_hot*)."""
     p = Path(path)
     by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    with open(p, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                by_run[str(r["run_name"])].append(r)
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{p}: line {i}: not a Gemstones row ({e})") from None
+    for i, r in jsonl_records(p):
+        if not {"run_name", "params_active_precise", "tokens", "step", "final_loss"} <= set(r):
+            raise DataError(
+                f"{p}: line {i}: not a Gemstones row (run_name, params_active_precise, tokens, step, final_loss)"
+            )
+        by_run[str(r["run_name"])].append(r)
     rows: list[dict[str, Any]] = []
     infos: dict[str, RunInfo] = {}
     for name, runs in by_run.items():
