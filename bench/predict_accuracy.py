@@ -36,7 +36,8 @@ import numpy as np
 
 from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, Curve, curve_from_run, fit_curves, read_curves
 from tenx.scaling.curve.backtest import WINDOW, protocol, self_extrapolation_error, split_error
-from tenx.scaling.curve.extrapolate import prior_from
+from tenx.scaling.curve.curve_table import read_curve_table
+from tenx.scaling.curve.extrapolate import prior_from, shape_prior
 from tenx.scaling.fit.published import DEFAULT_VARIANT, TOTAL, published_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,17 +139,25 @@ def _coverage(rows: list[dict]) -> float:
     return float(np.average([r["coverage"] for r in rows], weights=[r["windows"] for r in rows]))
 
 
-def ladder_figures(ladder: list[Curve], extra: list[Curve], law: str, bootstrap: int) -> dict:
-    """Leave-largest-budget-out, cross-schedule (extra runs) and self-extrapolation on validation curves."""
+def ladder_figures(
+    ladder: list[Curve], extra: list[Curve], law: str, bootstrap: int, published: str | None = None
+) -> dict:
+    """Leave-largest-budget-out, cross-schedule (extra runs) and self-extrapolation on validation curves.
+    With `published` (a curve table), the fits across budgets and schedules take a prior on the law's
+    unit-free shape (shape_prior) from a fit to those curves."""
     by_name = {c.name: c for c in ladder}
+    shape = {}
+    if published is not None:
+        table = read_curve_table(published)
+        shape = shape_prior(fit_curves([r.curve() for r in table.select()], law, bootstrap=0))
     split = protocol(ladder).get("leave_largest_budget_out")
     if split is None:
         raise SystemExit("the ladder's runs have fewer than two budgets (or no run.json with FLOPs)")
     train = [by_name[n] for n in split["train"]]
     largest = split_error(
-        law, train, [by_name[n] for n in split["test"]], 1, bootstrap=bootstrap, size_law="power"
+        law, train, [by_name[n] for n in split["test"]], 1, bootstrap=bootstrap, size_law="power", prior=shape
     )
-    cross = split_error(law, ladder, extra, 1, bootstrap=bootstrap, size_law="power")
+    cross = split_error(law, ladder, extra, 1, bootstrap=bootstrap, size_law="power", prior=shape)
     # each run from its first 30%, under the prior of a fit of every other ladder run: its whole curve
     # (the level L0(N) for this run's size included), which the run's own records then correct
     priors = {}
@@ -186,6 +195,12 @@ def main() -> None:
         "--no-train", action="store_true", help="take the extra runs as they are in --extra; train none"
     )
     ap.add_argument("--bootstrap", type=int, default=20, help="bootstrap resamples per fit (bands)")
+    ap.add_argument(
+        "--published-prior",
+        metavar="TABLE",
+        help="with --ladder: a curve table of published runs whose fit is a prior on the law's shape "
+        "(e.g. tests/data/published-curves/mpl-25m-fit.csv)",
+    )
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -195,8 +210,10 @@ def main() -> None:
         t0 = time.perf_counter()
         curves = read_curves(ladder_dir / "runs", quantity="val_loss")
         print(f"{len(curves)} validation curves from {ladder_dir}, {len(extra)} cross-schedule runs")
-        ours = ladder_figures(curves, extra, DEFAULT_LAW, args.bootstrap)
-        base = ladder_figures(curves, extra, "power", args.bootstrap)
+        ours = ladder_figures(curves, extra, DEFAULT_LAW, args.bootstrap, args.published_prior)
+        base = ladder_figures(curves, extra, "power", args.bootstrap, args.published_prior)
+        if args.published_prior:
+            print(f"the law's shape carries a prior from a fit to {args.published_prior} (shape_prior)")
         for part, rows in ours["rows"].items():
             print(f"\n{part} ({DEFAULT_LAW}; error of the final point, max and mean over logged steps):")
             for r in rows:
@@ -259,6 +276,7 @@ def main() -> None:
         "source": str(args.ladder or args.curves),
         "quantity": "val_loss" if args.ladder else "loss",
         "law": DEFAULT_LAW,
+        "published_prior": args.published_prior,
     }
     print(json.dumps(figures))
 
