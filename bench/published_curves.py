@@ -48,7 +48,7 @@ from tenx.scaling.curve.curve_laws import DEFAULT_LAW
 from tenx.scaling.curve.curve_table import CurveTable, TableRun, _Builder, read_curve_table, write_curve_table
 from tenx.scaling.curve.published_curves import MPL_FIT, RunInfo, gemstones, lr_scheduling, multipowerlaw
 
-LAWS = ("mpl", "tissue", "tissue-rate", "tissue-lr", "power")
+LAWS = ("mpl", "tissue", "tissue-rate", "tissue-lr", "tissue-area", "power")
 WINDOW = 5
 """Logged points per window (1,000 steps of lr-scheduling's validation, 640 of MultiPowerLaw's)."""
 GEMSTONES_FILE = "gemstone-scaling-laws/wandb_dfs/wandb_df_for_fitting_hot_100b+_477.jsonl"

@@ -192,6 +192,7 @@ def test_a_run_extrapolation_and_a_ladder_say_when_published_curves_gave_their_p
     (part / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= 900))
     argv = ["predict", "--run", str(part), "--curves", str(FIT), "--law", "tissue-rate", "--bootstrap", "2"]
     assert main(argv) == 0
+    assert "prior: shape of tissue-rate fitted to 3 runs of" in capsys.readouterr().out
     prediction = read_prediction(part / "extrapolation" / "prediction.json")
     assert "mpl-25m-fit.csv" in prediction.source["prior"] and prediction.source["kind"] == "self"
     # without --curves, no such claim
@@ -224,3 +225,16 @@ def test_the_bench_measures_the_papers_split_on_the_subset():
     s = bench.summarise(errors)
     assert s["runs"] == 6 and s["mean"] < 0.003 and s["worst_window"] < 0.01  # measured 0.10%, 0.51%
     assert s["worst_mean"] <= s["worst_window"] and s["worst_final"] <= s["worst_window"]
+
+
+def test_a_ladder_prediction_says_its_shape_prior_came_from_published_curves(tmp_path, capsys):
+    ladder = tmp_path / "ladder"
+    for run in (DATA / "curves").iterdir():
+        if run.is_dir() and run.name.startswith(("d1-", "d2-", "d3-")):
+            shutil.copytree(run, ladder / "runs" / run.name)
+    target = DATA / "curves" / "d4-wsd300" / "config.toml"
+    argv = ["predict", "--from", str(ladder), "--config", str(target), "--set", "model.vocab_size=257"]
+    assert main([*argv, "--bootstrap", "0", "--curves", str(FIT)]) == 0
+    assert "prior: shape of tissue-rate fitted to 3 runs of" in capsys.readouterr().out
+    prediction = read_prediction(ladder / "predictions" / "config" / "prediction.json")
+    assert "mpl-25m-fit.csv" in prediction.source["prior"] and prediction.source["kind"] == "ladder"

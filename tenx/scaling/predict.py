@@ -362,6 +362,8 @@ def format_prediction(prediction: Prediction) -> str:
         if src.get("kind") == "ladder"
         else f"from the first {src.get('upto_step')} steps of {src.get('run_dir')} ({src.get('law')} law)"
     )
+    if src.get("prior"):
+        where += f"; prior: {src['prior']}"
     level = round(100 * prediction.level)
     what = "validation" if prediction.quantity == "val_loss" else "training"
     smoothed = f", smoothed over {prediction.window} steps" if prediction.window > 1 else ""

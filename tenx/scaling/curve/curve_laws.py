@@ -202,6 +202,22 @@ def _tissue_lr_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
     return _tissue_rate_columns(phi, d, grad, absolute=True)
 
 
+def _tissue_area_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
+    alpha, p = phi[0], phi[2]
+    log_r = np.log(np.maximum(d.ratio_run, _TINY))
+    weighted = np.exp(p * log_r) * d.tokens_run
+    area = np.concatenate([[0.0], np.cumsum(weighted)])[d.updates]
+    s1, ds1 = _decline(area, alpha)
+    lag, dlag = _lagged(d.since_area, math.exp(-phi[1]), d.drop, grad)
+    if not grad:
+        return np.stack([s1, lag], axis=1), None
+    darea = np.concatenate([[0.0], np.cumsum(weighted * log_r)])[d.updates]
+    dcols = np.zeros((len(s1), 2, 3))
+    dcols[:, 0, 0], dcols[:, 1, 1] = ds1, dlag
+    dcols[:, 0, 2] = -alpha * s1 / np.maximum(area, _TINY) * darea
+    return np.stack([s1, lag], axis=1), dcols
+
+
 def _tissue_paper_columns(phi: np.ndarray, d: Design, grad: bool) -> Columns:
     s1, ds1 = _decline(d.s1, phi[0])
     lag, _ = _lagged(d.since_steps, -math.log(PAPER_LAMBDA), d.drop, False)
@@ -281,6 +297,18 @@ LAWS: dict[str, Law] = {
             _tissue_lr_columns,
             lambda tok, s1: _grid(
                 _ALPHAS, tuple(math.log(tok * f) for f in (0.01, 0.04, 0.15, 0.5)), (0.0, 0.5, 1.0)
+            ),
+        ),
+        Law(
+            "tissue-area",
+            "tissue-rate with the lag in peak-rate tokens since each drop (a lower rate anneals slower)",
+            ("alpha", "log_tau", "p"),
+            ("A", "C"),
+            (1.0, -1.0),
+            ((0.01, 3.0), (math.log(1e-6), math.log(1e6)), (0.0, 2.0)),
+            _tissue_area_columns,
+            lambda tok, s1: _grid(
+                _ALPHAS, tuple(math.log(s1 * f) for f in (0.01, 0.04, 0.15, 0.5)), (0.0, 0.5, 1.0)
             ),
         ),
         Law(

@@ -2,7 +2,7 @@
 
 Each law builds a `Problem` (solver.py) from data and maps centred internal parameters to named ones.
 Every fit function takes the same keyword options: the fields of `FitConfig` (`tie_exponents` is
-fit_chinchilla's alone), documented there once.
+fit_chinchilla's alone, `excess_params` fit_data_constrained's), documented there once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ TIED_FORM = "E + A/N^alpha + B/D^alpha"
 COMPUTE_FORM = "E + A*C^-alpha"
 POWER_FORM = "power"
 DATA_CONSTRAINED_FORM = "E + A/N^alpha + B/D'^beta, D' = U + U*R_D_star*(1 - exp(-R_D/R_D_star))"
+EXCESS_PARAMS_FORM = (
+    "E + A/N'^alpha + B/D'^beta, D' = U + U*R_D_star*(1 - exp(-R_D/R_D_star)), "
+    "N' = U_N + U_N*R_N_star*(1 - exp(-R_N/R_N_star)), U_N = min(N, N_opt(U))"
+)
 
 # Hoffmann et al.'s grid of starting points (in the uncentred parameters a = log A, b = log B, e = log E).
 _HOFFMANN_GRID = {
@@ -53,6 +57,7 @@ PARAM_BOUNDS: dict[str, tuple[float, float]] = {
     "alpha": _EXPONENT_BOUNDS,
     "beta": _EXPONENT_BOUNDS,
     "R_D_star": (math.exp(_LOG_R_STAR_BOUNDS[0]), math.exp(_LOG_R_STAR_BOUNDS[1])),
+    "R_N_star": (math.exp(_LOG_R_STAR_BOUNDS[0]), math.exp(_LOG_R_STAR_BOUNDS[1])),
 }
 """The range the optimiser allows each bounded parameter (A and B are free): a fitted value or an interval
 at one of these ends means the runs did not determine it (tenx.scaling.fit.report.fit_warnings)."""
@@ -94,6 +99,12 @@ class FitConfig:
     )
     tie_exponents: bool = field(
         False, help="chinchilla: one exponent for N and D (Gadre et al. 2024's form E + A/N^a + B/D^a)"
+    )
+    excess_params: bool = field(
+        False,
+        help="data-constrained: parameters beyond what the unique tokens can use count for less, as "
+        "repeated tokens do (Muennighoff et al.'s R*_N term: N' = U_N + U_N R*_N (1 - exp(-R_N/R*_N)), "
+        "U_N = min(N, the compute-optimal size for U tokens), R_N = N/U_N - 1)",
     )
 
     def validate(self) -> None:
@@ -233,12 +244,18 @@ class FitResult:
         )
         Na, Da = np.broadcast_arrays(Na, Da)
         logD = np.log(Da)[None, :]
+        logN = np.log(Na)[None, :]
         if self.law == "data-constrained":
             Ua = Da if U is None else np.broadcast_to(np.atleast_1d(np.asarray(U, dtype=float)), Da.shape)
             logD = np.log(effective_data(Da[None, :], Ua[None, :], cols["R_D_star"]))
+            if "R_N_star" in cols:
+                chinchilla = [cols[k] for k in ("A", "B", "alpha", "beta")]
+                with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                    usable = unique_params(np.minimum(Ua, Da)[None, :], *chinchilla)
+                    logN = np.log(effective_data(Na[None, :], usable, cols["R_N_star"]))
         terms = np.stack(
             np.broadcast_arrays(
-                np.log(cols["A"]) - cols["alpha"] * np.log(Na)[None, :],
+                np.log(cols["A"]) - cols["alpha"] * logN,
                 np.log(cols["B"]) - cols["beta"] * logD,
                 logE + 0 * logD,
             )
@@ -337,10 +354,14 @@ def _check_arrays(what: str, **arrays: Any) -> dict[str, np.ndarray]:
 _OPTIONS = frozenset(f.name for f in dataclasses.fields(FitConfig))
 
 
-def _config(what: str, options: dict[str, Any], tie: bool = False) -> FitConfig:
-    """The validated FitConfig of a fit function's keyword options (`tie_exponents` only where `tie`)."""
+_LAW_OPTIONS = {"tie_exponents": "fit_chinchilla", "excess_params": "fit_data_constrained"}
+"""The options of one fit function alone."""
+
+
+def _config(what: str, options: dict[str, Any]) -> FitConfig:
+    """The validated FitConfig of a fit function's keyword options (a law's own options to that law only)."""
     for name in options:
-        if name not in _OPTIONS or (name == "tie_exponents" and not tie):
+        if name not in _OPTIONS or _LAW_OPTIONS.get(name, what) != what:
             raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
     cfg = FitConfig(**options)
     cfg.validate()
@@ -359,7 +380,7 @@ def fit_chinchilla(
     `options`: FitConfig's fields (bootstrap, seed, huber_delta, level, starts, bootstrap_starts,
     tie_exponents) as keywords.
     """
-    cfg = _config("fit_chinchilla", options, tie=True)
+    cfg = _config("fit_chinchilla", options)
     a = _check_arrays("fit_chinchilla", N=N, D=D, L=L)
     n_params = 4 if cfg.tie_exponents else 5
     if len(a["L"]) < n_params or len(np.unique(a["N"])) < 2 or len(np.unique(a["D"])) < 2:
@@ -402,6 +423,7 @@ def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
     """Muennighoff et al.'s effective tokens D' = U + U*R*(1 - exp(-R/R*)), with R = D/U - 1 repetitions.
 
     U counts the unique tokens a run reads, at most D (a run of D tokens over more unique ones reads D once).
+    The same discount serves their excess parameters: N' = effective_data(N, U_N, R*_N) (`unique_params`).
     """
     D, U = np.asarray(D, dtype=float), np.asarray(U, dtype=float)
     U = np.minimum(U, D)
@@ -409,52 +431,81 @@ def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
     return U + U * R_star * -np.expm1(-R / R_star)
 
 
+def unique_params(U: Any, A: Any, B: Any, alpha: Any, beta: Any) -> np.ndarray:
+    """Muennighoff et al.'s U_N before its cap at N: the compute-optimal model size for U training tokens under
+    E + A/N^alpha + B/D^beta, N_opt = G (G U)^(beta/alpha) with G = (alpha A / (beta B))^(1/(alpha+beta)).
+
+    Parameters beyond it are excess for U unique tokens; infinite (none are) where alpha is 0.
+    """
+    U, A, B, alpha, beta = (np.asarray(x, dtype=float) for x in (U, A, B, alpha, beta))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        log_g = (np.log(alpha * A) - np.log(beta * B)) / (alpha + beta)
+        return np.where(alpha > 0, np.exp(log_g + beta / alpha * (log_g + np.log(U))), np.inf)
+
+
 def _log(x: float) -> float:
     """log x, and -inf for a coefficient a bootstrap fit drove to 0 (exp underflowed): its term vanishes."""
     return math.log(x) if x > 0 else -math.inf
 
 
-def _fit_r_star(
+def _discount(base: np.ndarray, R: np.ndarray, r_star: float) -> tuple[np.ndarray, np.ndarray]:
+    """log of base + base*r*(1 - exp(-R/r)) (`effective_data`) and its derivative in log r."""
+    decay = np.exp(-R / r_star)
+    eff = base + base * r_star * (1 - decay)
+    return np.log(eff), r_star * base * ((1 - decay) - (R / r_star) * decay) / eff
+
+
+def _fit_decays(
     base: np.ndarray,
     N: np.ndarray,
     D: np.ndarray,
     U: np.ndarray,
     logL: np.ndarray,
     delta: float,
-    starts: Sequence[float] = _R_STAR_GRID,
-) -> float:
-    """With E, A, B, alpha, beta fixed, the R*_D minimising the Huber loss (1-D, L-BFGS-B from a grid)."""
+    starts: np.ndarray,
+) -> np.ndarray:
+    """With E, A, B, alpha, beta fixed, the log R*_D (and log R*_N, where `starts` has two columns) minimising
+    the Huber loss: L-BFGS-B from each row of `starts` (log values), the best kept."""
     E, A, B, alpha, beta = base
-    n_term = _log(A) - alpha * np.log(N)
+    excess = starts.shape[1] == 2
+    R_D = np.maximum(D / U - 1.0, 0.0)
+    log_n = np.log(N)
+    if excess:
+        usable = unique_params(U, A, B, alpha, beta)
+        U_N = np.where(np.isfinite(usable), np.minimum(N, usable), N)
+        R_N = N / U_N - 1.0
+    n_term = _log(A) - alpha * log_n
 
     def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
-        r_star = math.exp(float(x[0]))
-        R = np.maximum(D / U - 1.0, 0.0)
-        decay = np.exp(-R / r_star)
-        d_eff = U + U * r_star * (1 - decay)
-        d_term = _log(B) - beta * np.log(d_eff)
-        pred = np.logaddexp(np.logaddexp(n_term, d_term), _log(E))
+        log_d, dlogd_dlogr = _discount(U, R_D, math.exp(float(x[0])))
+        d_term = _log(B) - beta * log_d
+        terms = [n_term]
+        if excess:
+            log_n_eff, dlogn_dlogr = _discount(U_N, R_N, math.exp(float(x[1])))
+            terms = [_log(A) - alpha * log_n_eff]
+        pred = np.logaddexp(np.logaddexp(terms[0], d_term), _log(E))
         r = pred - logL
         quadratic = np.abs(r) <= delta
         loss = np.where(quadratic, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta)
         psi = np.where(quadratic, r / delta, np.sign(r))
-        dlogd_dlogr = r_star * U * ((1 - decay) - (R / r_star) * decay) / d_eff
-        dpred = np.exp(d_term - pred) * -beta * dlogd_dlogr
-        return float(loss.sum()), np.array([float(psi @ dpred)])
+        grad = [float(psi @ (np.exp(d_term - pred) * -beta * dlogd_dlogr))]
+        if excess:
+            grad.append(float(psi @ (np.exp(terms[0] - pred) * -alpha * dlogn_dlogr)))
+        return float(loss.sum()), np.array(grad)
 
-    best_value, best_x = math.inf, 0.0
+    best_value, best_x = math.inf, starts[0]
     for start in starts:
         res = minimize(
             objective,
-            np.array([math.log(start)]),
+            np.array(start, dtype=float),
             jac=True,
             method="L-BFGS-B",
-            bounds=[_LOG_R_STAR_BOUNDS],
+            bounds=[_LOG_R_STAR_BOUNDS] * starts.shape[1],
             options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": 2000},
         )
         if res.fun < best_value:
-            best_value, best_x = float(res.fun), float(res.x[0])
-    return math.exp(best_x)
+            best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
+    return np.asarray(best_x, dtype=float)
 
 
 @with_serial_blas
@@ -467,8 +518,10 @@ def fit_data_constrained(
 ) -> FitResult:
     """Fit Muennighoff et al.'s L(N, D, U): Chinchilla on single-epoch runs, then R*_D on all runs.
 
-    Repeated tokens count as effective data D' (see `effective_data`); parameters are not discounted
-    (N' = N: the R*_N of the paper matters only for models far larger than their unique data supports).
+    Repeated tokens count as effective data D' (see `effective_data`). Parameters are not discounted
+    (N' = N) unless `excess_params`: then R*_N is fitted with R*_D, and the parameters beyond the
+    compute-optimal size for the unique tokens (`unique_params`) count as the paper's N'; it matters for
+    models far larger than their unique data supports.
     `options`: FitConfig's fields but tie_exponents, as keywords.
     """
     cfg = _config("fit_data_constrained", options)
@@ -489,33 +542,37 @@ def fit_data_constrained(
     law = _chinchilla_law(logN[single], logD[single], tie=False)
     features = np.column_stack([logN, logD])
 
-    def fit_once(index: np.ndarray, starts: np.ndarray, r_starts: Sequence[float]) -> np.ndarray:
+    def fit_once(index: np.ndarray, starts: np.ndarray, r_starts: np.ndarray) -> np.ndarray:
         sub_single = index[single[index]]
         problem = Problem(law.build(features[sub_single]), logL[sub_single], cfg.huber_delta, law.bounds)
         theta = optimise(problem, starts)[1]
         base = law.natural(theta)
-        r_star = _fit_r_star(
+        log_r = _fit_decays(
             base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta, r_starts
         )
-        return np.append(base, r_star)
+        return np.append(base, [math.exp(x) for x in log_r])
 
     everything = np.arange(len(logL))
     single_idx, repeated_idx = everything[single], everything[~single]
     full = Problem(law.build(features[single]), logL[single], cfg.huber_delta, law.bounds)
     optima = optimise(full, best_starts(full, law.grid, cfg.starts), keep=cfg.bootstrap_starts)[2]
-    values = fit_once(everything, optima[:1], _R_STAR_GRID)
+    log_grid = [[math.log(r)] for r in _R_STAR_GRID]
+    r_grid = np.array(
+        [x + y for x, y in itertools.product(log_grid, log_grid)] if cfg.excess_params else log_grid
+    )
+    values = fit_once(everything, optima[:1], r_grid)
+    names = ("E", "A", "B", "alpha", "beta", "R_D_star") + (("R_N_star",) if cfg.excess_params else ())
     rng = np.random.default_rng(cfg.seed)
-    samples = np.empty((cfg.bootstrap, 6))
+    samples = np.empty((cfg.bootstrap, len(names)))
     for i in range(cfg.bootstrap):
         # Stratified: each resample keeps as many single-epoch runs as the data, so stage 1 always has them.
         index = np.concatenate(
             [resample(rng, single_idx, features, 5), rng.choice(repeated_idx, len(repeated_idx))]
         )
-        samples[i] = fit_once(index, optima, (values[5],))
-    names = ("E", "A", "B", "alpha", "beta", "R_D_star")
+        samples[i] = fit_once(index, optima, np.array([[math.log(v) for v in values[5:]]]))
     result = FitResult(
         law="data-constrained",
-        form=DATA_CONSTRAINED_FORM,
+        form=EXCESS_PARAMS_FORM if cfg.excess_params else DATA_CONSTRAINED_FORM,
         params=dict(zip(names, (float(v) for v in values))),
         intervals=_intervals(names, samples, cfg.level),
         samples=samples,
