@@ -197,9 +197,12 @@ def best_per_budget(points: Points) -> tuple[np.ndarray, np.ndarray]:
 
 def fit_points(points: Points, law: str, **options: Any) -> FitResult:
     """`law` fitted to a table's runs (L(C) to the best run per budget); `options` are the fit functions'
-    (FitConfig's fields), tie_exponents dropped for the laws other than chinchilla."""
+    (FitConfig's fields), tie_exponents dropped for the laws other than chinchilla, excess_params for those
+    other than data-constrained."""
     if law != "compute" and not (np.all(np.isfinite(points.N)) and np.all(np.isfinite(points.D))):
         raise DataError(f"{law} fit: every run needs params and tokens (--params-column, --tokens-column)")
+    if law != "data-constrained":
+        options.pop("excess_params", None)
     if law == "chinchilla":
         return fit_chinchilla(points.N, points.D, points.L, **options)
     options.pop("tie_exponents", None)

@@ -508,6 +508,20 @@ def _fit_decays(
     return np.asarray(best_x, dtype=float)
 
 
+def _fit_r_star(
+    base: np.ndarray,
+    N: np.ndarray,
+    D: np.ndarray,
+    U: np.ndarray,
+    logL: np.ndarray,
+    delta: float,
+    starts: Sequence[float] = _R_STAR_GRID,
+) -> float:
+    """R*_D alone (no R*_N term): `_fit_decays` from each of the R*_D values `starts`."""
+    log_starts = np.array([[math.log(start)] for start in starts])
+    return math.exp(float(_fit_decays(base, N, D, U, logL, delta, log_starts)[0]))
+
+
 @with_serial_blas
 def fit_data_constrained(
     N: Any,
@@ -543,23 +557,23 @@ def fit_data_constrained(
     features = np.column_stack([logN, logD])
 
     def fit_once(index: np.ndarray, starts: np.ndarray, r_starts: np.ndarray) -> np.ndarray:
+        """E, A, B, alpha, beta on the single-epoch runs of `index`, then R*_D (and R*_N) on all of them,
+        from the rows of `r_starts` (R*_D, or R*_D and R*_N)."""
         sub_single = index[single[index]]
         problem = Problem(law.build(features[sub_single]), logL[sub_single], cfg.huber_delta, law.bounds)
         theta = optimise(problem, starts)[1]
         base = law.natural(theta)
-        log_r = _fit_decays(
-            base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta, r_starts
-        )
-        return np.append(base, [math.exp(x) for x in log_r])
+        runs = (base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta)
+        if not cfg.excess_params:
+            return np.append(base, _fit_r_star(*runs, r_starts[:, 0]))
+        log_starts = np.array([[math.log(r) for r in row] for row in r_starts])
+        return np.append(base, [math.exp(x) for x in _fit_decays(*runs, log_starts)])
 
     everything = np.arange(len(logL))
     single_idx, repeated_idx = everything[single], everything[~single]
     full = Problem(law.build(features[single]), logL[single], cfg.huber_delta, law.bounds)
     optima = optimise(full, best_starts(full, law.grid, cfg.starts), keep=cfg.bootstrap_starts)[2]
-    log_grid = [[math.log(r)] for r in _R_STAR_GRID]
-    r_grid = np.array(
-        [x + y for x, y in itertools.product(log_grid, log_grid)] if cfg.excess_params else log_grid
-    )
+    r_grid = np.array(list(itertools.product(_R_STAR_GRID, repeat=2 if cfg.excess_params else 1)))
     values = fit_once(everything, optima[:1], r_grid)
     names = ("E", "A", "B", "alpha", "beta", "R_D_star") + (("R_N_star",) if cfg.excess_params else ())
     rng = np.random.default_rng(cfg.seed)
@@ -569,7 +583,7 @@ def fit_data_constrained(
         index = np.concatenate(
             [resample(rng, single_idx, features, 5), rng.choice(repeated_idx, len(repeated_idx))]
         )
-        samples[i] = fit_once(index, optima, np.array([[math.log(v) for v in values[5:]]]))
+        samples[i] = fit_once(index, optima, values[None, 5:])
     result = FitResult(
         law="data-constrained",
         form=EXCESS_PARAMS_FORM if cfg.excess_params else DATA_CONSTRAINED_FORM,
