@@ -64,7 +64,7 @@ def test_a_run_extrapolated_from_its_first_30_percent(tmp_path, capsys, run):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["predict"], "give either --from LADDER_DIR (with --config) or --run RUN_DIR"),
+        (["predict"], "give either --from LADDER_DIR (with --config), --run RUN_DIR, or --curves FIT"),
         (["predict", "--from", "L", "--run", "R"], "give either --from"),
         (["predict", "--from", "{tmp}"], "name the config to predict with --config CFG"),
         (["predict", "--run", "{tmp}", "--config", "quickstart"], "drop --config/--set"),

@@ -225,8 +225,34 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
 
 def cmd_predict(args: argparse.Namespace) -> None:
     """`tenx predict`: a run's whole predicted loss curve, from a ladder, its own start or a curve table."""
+    from tenx.errors import ConfigError
     from tenx.scaling.predict import run_predict
 
+    if args.target is not None:
+        from tenx.scaling.predict_curves import run_predict_table
+
+        if args.ladder or args.run or args.config or args.set:
+            raise ConfigError(
+                "tenx predict --target: give --curves FIT and --out DIR, not --from/--run/--config"
+            )
+        if args.curves is None or args.out is None:
+            raise ConfigError(
+                "tenx predict --target TARGET: also give --curves FIT (the runs to fit) and --out DIR"
+            )
+        kept = {"law": args.law} if args.law else {}
+        result = run_predict_table(
+            args.curves,
+            args.target,
+            args.out,
+            bootstrap=args.bootstrap,
+            split=args.split,
+            force=args.force,
+            **kept,
+        )
+        print(result["text"])
+        return
+    if args.split is not None:
+        raise ConfigError("--split: only with --curves FIT --target TARGET")
     print(
         run_predict(
             ladder_dir=args.ladder,
@@ -234,8 +260,6 @@ def cmd_predict(args: argparse.Namespace) -> None:
             overrides=args.set,
             run_dir=args.run,
             curves=args.curves,
-            target=args.target,
-            split=args.split,
             law=args.law,
             world_size=args.world_size,
             bootstrap=args.bootstrap,

@@ -195,10 +195,6 @@ def predict_from_run(
     return _to_prediction(cp, window, source, target, quantity), fit
 
 
-PREDICTION_CSV = "prediction.csv"
-"""`tenx predict --curves`: every target row past warmup, `run,step,loss,lower,upper`."""
-
-
 def curve_fit_of(
     fit_table: Any, *, law: str = DEFAULT_LAW, bootstrap: int = 30, split: str | None = None
 ) -> tuple[Any, list[Any]]:
@@ -209,96 +205,6 @@ def curve_fit_of(
     if not curves:
         raise ConfigError(f"--curves {fit_table.path}: no run has a logged loss to fit")
     return fit_curves(curves, law, bootstrap=bootstrap), runs
-
-
-def predict_from_curves(
-    fit_table: Any,
-    target_table: Any,
-    *,
-    law: str = DEFAULT_LAW,
-    bootstrap: int = 30,
-    split: str | None = None,
-) -> tuple[list[tuple[Any, Prediction, CurvePrediction]], Any, list[str]]:
-    """Fit `law` to the curves of `fit_table` (tenx.scaling.curve.curve_table) and predict every run of
-    `target_table` on its own schedule and size. Returns ([(target run, prediction, curve)], the fit, the
-    regime warnings of both tables)."""
-    from tenx.scaling.curve.curve_table import curve_regime_warnings
-
-    split = fit_table.pick_split(split)
-    fit, fit_runs = curve_fit_of(fit_table, law=law, bootstrap=bootstrap, split=split)
-    targets = target_table.select(target_table.pick_split(None) if split is None else split)
-    largest = max(fit.sizes)
-    out = []
-    for run in targets:
-        schedule = run.schedule()
-        cp = predict_curve(fit, schedule, run.params)
-        source = {
-            "kind": "curves",
-            "curves": str(fit_table.path),
-            "runs": len(fit.curves),
-            "size_law": fit.size_law,
-            "largest_fitted_params": largest,
-            "extrapolation_in_params": run.params / largest,
-            "window_sigma": fit.window_sigma,
-        }
-        target = {"run": run.run, "table": str(target_table.path), "steps": run.last_step}
-        target["tokens_per_step"] = run.tokens_per_step
-        quantity = "val_loss" if run.split == "val" else "loss"
-        out.append((run, _to_prediction(cp, 1, source, target, quantity), cp))
-    warnings = curve_regime_warnings(fit_runs, "fitted") + curve_regime_warnings(targets, "predicted")
-    return out, fit, warnings
-
-
-def target_rows(run: Any, cp: CurvePrediction) -> list[dict[str, Any]]:
-    """`run,step,loss,lower,upper` of each of the target run's rows past warmup (and its observed loss)."""
-    first = cp.steps[0]
-    rows = []
-    for step, observed in zip(run.steps, run.loss):
-        if step < first:
-            continue
-        i = int(step) - first
-        rows.append(
-            {
-                "run": run.run,
-                "step": int(step),
-                "loss": cp.loss[i],
-                "lower": cp.lower[i],
-                "upper": cp.upper[i],
-                "observed": float(observed),
-            }
-        )
-    return rows
-
-
-def write_prediction_csv(path: str | Path, rows: list[dict[str, Any]]) -> Path:
-    """prediction.csv (run,step,loss,lower,upper), atomically."""
-    import csv
-    import io
-
-    from tenx.utils.io import atomic_write_text
-
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["run", "step", "loss", "lower", "upper"])
-    for r in rows:
-        writer.writerow([r["run"], r["step"], *(f"{r[k]:.6g}" for k in ("loss", "lower", "upper"))])
-    atomic_write_text(path, buf.getvalue())
-    return Path(path)
-
-
-def observed_errors(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Mean and worst relative error, and band coverage, over the rows that have an observed loss."""
-    seen = [r for r in rows if np.isfinite(r["observed"])]
-    if not seen:
-        return None
-    err = np.array([r["loss"] / r["observed"] - 1 for r in seen])
-    inside = np.array([r["lower"] <= r["observed"] <= r["upper"] for r in seen])
-    return {
-        "rows": len(seen),
-        "mean": float(np.abs(err).mean()),
-        "worst": float(np.abs(err).max()),
-        "coverage": float(inside.mean()),
-    }
 
 
 def _curves_prior(curves_path: str | Path, law: str) -> tuple[Any, dict[str, Any]]:
@@ -389,8 +295,6 @@ def run_predict(
     overrides: list[str] | None = None,
     run_dir: str | Path | None = None,
     curves: str | Path | None = None,
-    target: str | Path | None = None,
-    split: str | None = None,
     law: str | None = None,
     world_size: int = 1,
     bootstrap: int = 30,
@@ -398,9 +302,9 @@ def run_predict(
     quantity: str | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """What `tenx predict` does: predict (from a ladder for `config`, a run from its own curve, or the runs
-    of a curve table `target` from the curves of `curves`), write prediction.json and prediction.png (and
-    prediction.csv for a target table), and return {"prediction", "paths", "text"}.
+    """What `tenx predict` does: predict (from a ladder for `config`, or a run from its own curve), write
+    prediction.json and prediction.png, and return {"prediction", "paths", "text"}. The runs of a curve
+    table: tenx.scaling.predict_curves.run_predict_table.
 
     `curves` with `ladder_dir` or `run_dir`: a curve table whose fit is the prior on the law's shape.
     `out`: the output directory; the default one is rewritten each time, files in any other are replaced
@@ -409,18 +313,6 @@ def run_predict(
 
     if not 0 <= bootstrap <= MAX_BOOTSTRAP:
         raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
-    if target is not None:
-        if ladder_dir is not None or run_dir is not None or config or overrides:
-            raise ConfigError(
-                "tenx predict --target: give --curves FIT and --out DIR, not --from/--run/--config"
-            )
-        if curves is None or out is None:
-            raise ConfigError(
-                "tenx predict --target TARGET: also give --curves FIT (the runs to fit) and --out DIR"
-            )
-        return _run_predict_table(curves, target, out, law or DEFAULT_LAW, bootstrap, split, force)
-    if split is not None:
-        raise ConfigError("--split: only with --curves FIT --target TARGET")
     if (ladder_dir is None) == (run_dir is None):
         raise ConfigError(
             "tenx predict: give either --from LADDER_DIR (with --config), --run RUN_DIR, or --curves FIT "
@@ -462,77 +354,6 @@ def run_predict(
     paths = write_outputs(prediction, out_dir, metrics, title)
     text = f"{format_prediction(prediction)}\nprediction: {paths['prediction']}\nplot: {paths['plot']}"
     return {"prediction": prediction, "paths": paths, "text": text}
-
-
-def _run_predict_table(
-    curves: str | Path,
-    target: str | Path,
-    out: str | Path,
-    law: str,
-    bootstrap: int,
-    split: str | None,
-    force: bool,
-) -> dict[str, Any]:
-    """`tenx predict --curves FIT --target TARGET --out DIR`."""
-    from tenx.monitor.loss_plot import plot_curve_predictions
-    from tenx.scaling.curve.curve_table import read_curve_table
-
-    out_dir = check_out_dir(out, None, force)
-    try:
-        check_output_file(out_dir / PREDICTION_CSV, force=force, inputs=(curves, target))
-    except TenxError as e:
-        raise TenxError(f"-o {out}: {e}") from None
-    fit_table, target_table = read_curve_table(curves), read_curve_table(target)
-    results, fit, warnings = predict_from_curves(
-        fit_table, target_table, law=law, bootstrap=bootstrap, split=split
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for run, _, cp in results for row in target_rows(run, cp)]
-    paths: dict[str, Path] = {"csv": write_prediction_csv(out_dir / PREDICTION_CSV, rows)}
-    paths["prediction"] = write_prediction(out_dir / PREDICTION, results[0][1])
-    if len(results) > 1:  # prediction.json holds the first run; each run's is under runs/
-        for run, prediction, _ in results:
-            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run.run).lstrip(".")
-            (out_dir / "runs" / safe).mkdir(parents=True, exist_ok=True)
-            write_prediction(out_dir / "runs" / safe / PREDICTION, prediction)
-    plotted = [
-        {
-            "name": run.run,
-            "steps": cp.steps,
-            "loss": cp.loss,
-            "lower": cp.lower,
-            "upper": cp.upper,
-            "observed_steps": run.steps.tolist(),
-            "observed": run.loss.tolist(),
-        }
-        for run, _, cp in results
-    ]
-    what = "validation" if results[0][0].split == "val" else "training"
-    title = f"{Path(target).name} predicted from {len(fit.curves)} runs of {Path(curves).name} ({law})"
-    paths["plot"] = plot_curve_predictions(
-        plotted, out_dir / PREDICTION_PNG, title, f"{what} loss (nats/token)"
-    )
-    lines = [f"WARNING: {w}" for w in warnings]
-    largest = max(fit.sizes)
-    lines.append(
-        f"fitted {law} ({fit.size_law} sizes) to {len(fit.curves)} runs of {curves}; predicted "
-        f"{len(results)} run(s) of {target}:"
-    )
-    for run, prediction, cp in results:
-        f = prediction.final
-        errors = observed_errors(target_rows(run, cp))
-        seen = (
-            f"; observed rows: mean error {100 * errors['mean']:.2f}%, worst {100 * errors['worst']:.2f}%, "
-            f"{100 * errors['coverage']:.0f}% inside the band"
-            if errors
-            else ""
-        )
-        lines.append(
-            f"  {run.run}: step {f['step']} loss {f['loss']:.4f} ({round(100 * prediction.level)}% band "
-            f"{f['lower']:.4f} .. {f['upper']:.4f}), {run.params / largest:.2g}x the largest fitted size{seen}"
-        )
-    lines += [f"prediction: {paths['prediction']}", f"table: {paths['csv']}", f"plot: {paths['plot']}"]
-    return {"prediction": results[0][1], "paths": paths, "text": "\n".join(lines), "warnings": warnings}
 
 
 def add_arguments(pp: Any) -> None:
