@@ -10,10 +10,13 @@ A = e^a, B = e^b, E = e^e, so one optimiser serves every law.
 Modules, each importing only those listed after it: published (Gadre et al.'s runs as a benchmark: the
 inner cross-validation that chose how to fit them, and the error of every big run), report (the whole
 analysis of a run table; the `tenx fit` command in tenx/scaling/cli.py calls it; leave-largest-size-out),
-plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
-FitConfig, FitResult, the fit functions), solver (the optimiser).
+data_law_check (Muennighoff et al.'s runs as a check of the data-constrained fit, and the regimes its law
+cannot describe, which `tenx fit` warns of), plots, frontier (compute-optimal frontier, budgets, IsoFLOP minima, leave-largest-out), laws (the laws,
+FitConfig, FitResult, the fit functions), repetition (the discount of repeated data and excess
+parameters), solver (the optimiser).
 """
 
+from tenx.scaling.fit.data_law_check import regime_warnings
 from tenx.scaling.fit.frontier import (
     best_per_budget,
     budget_groups,
@@ -28,19 +31,20 @@ from tenx.scaling.fit.laws import (
     CHINCHILLA_FORM,
     COMPUTE_FORM,
     DATA_CONSTRAINED_FORM,
+    EXCESS_PARAMS_FORM,
     LAWS,
     PARAM_BOUNDS,
     POWER_FORM,
     TIED_FORM,
     FitConfig,
     FitResult,
-    effective_data,
     fit_chinchilla,
     fit_compute,
     fit_data_constrained,
 )
 from tenx.scaling.fit.plots import plot_fit
 from tenx.scaling.fit.published import inner_cv, published_accuracy
+from tenx.scaling.fit.repetition import effective_data, unique_params
 from tenx.scaling.fit.report import (
     fit_warnings,
     format_fit,
@@ -55,6 +59,7 @@ __all__ = [
     "CHINCHILLA_FORM",
     "COMPUTE_FORM",
     "DATA_CONSTRAINED_FORM",
+    "EXCESS_PARAMS_FORM",
     "LAWS",
     "PARAM_BOUNDS",
     "POWER_FORM",
@@ -81,6 +86,8 @@ __all__ = [
     "parse_target",
     "plot_fit",
     "published_accuracy",
+    "regime_warnings",
     "run_fit",
     "select_runs",
+    "unique_params",
 ]

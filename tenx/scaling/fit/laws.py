@@ -20,6 +20,8 @@ from scipy.optimize import minimize
 
 from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, DataError, TenxError
+from tenx.scaling.fit.repetition import discount as _discount
+from tenx.scaling.fit.repetition import effective_data, unique_params
 from tenx.scaling.fit.solver import Problem, best_starts, logsumexp, optimise, resample, with_serial_blas
 
 LAWS = ("chinchilla", "compute", "data-constrained")
@@ -419,40 +421,9 @@ def fit_compute(
     return _fit_law(law, logC[:, None], np.log(a["L"]), cfg)
 
 
-def effective_data(D: Any, U: Any, R_star: Any) -> np.ndarray:
-    """Muennighoff et al.'s effective tokens D' = U + U*R*(1 - exp(-R/R*)), with R = D/U - 1 repetitions.
-
-    U counts the unique tokens a run reads, at most D (a run of D tokens over more unique ones reads D once).
-    The same discount serves their excess parameters: N' = effective_data(N, U_N, R*_N) (`unique_params`).
-    """
-    D, U = np.asarray(D, dtype=float), np.asarray(U, dtype=float)
-    U = np.minimum(U, D)
-    R = np.maximum(D / U - 1.0, 0.0)
-    return U + U * R_star * -np.expm1(-R / R_star)
-
-
-def unique_params(U: Any, A: Any, B: Any, alpha: Any, beta: Any) -> np.ndarray:
-    """Muennighoff et al.'s U_N before its cap at N: the compute-optimal model size for U training tokens under
-    E + A/N^alpha + B/D^beta, N_opt = G (G U)^(beta/alpha) with G = (alpha A / (beta B))^(1/(alpha+beta)).
-
-    Parameters beyond it are excess for U unique tokens; infinite (none are) where alpha is 0.
-    """
-    U, A, B, alpha, beta = (np.asarray(x, dtype=float) for x in (U, A, B, alpha, beta))
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        log_g = (np.log(alpha * A) - np.log(beta * B)) / (alpha + beta)
-        return np.where(alpha > 0, np.exp(log_g + beta / alpha * (log_g + np.log(U))), np.inf)
-
-
 def _log(x: float) -> float:
     """log x, and -inf for a coefficient a bootstrap fit drove to 0 (exp underflowed): its term vanishes."""
     return math.log(x) if x > 0 else -math.inf
-
-
-def _discount(base: np.ndarray, R: np.ndarray, r_star: float) -> tuple[np.ndarray, np.ndarray]:
-    """log of base + base*r*(1 - exp(-R/r)) (`effective_data`) and its derivative in log r."""
-    decay = np.exp(-R / r_star)
-    eff = base + base * r_star * (1 - decay)
-    return np.log(eff), r_star * base * ((1 - decay) - (R / r_star) * decay) / eff
 
 
 def _fit_decays(
@@ -565,7 +536,7 @@ def fit_data_constrained(
         base = law.natural(theta)
         runs = (base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta)
         if not cfg.excess_params:
-            return np.append(base, _fit_r_star(*runs, r_starts[:, 0]))
+            return np.append(base, _fit_r_star(*runs, r_starts[:, 0].tolist()))
         log_starts = np.array([[math.log(r) for r in row] for row in r_starts])
         return np.append(base, [math.exp(x) for x in _fit_decays(*runs, log_starts)])
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
+from tenx.scaling.fit.data_law_check import regime_warnings, run_label
 from tenx.scaling.fit.frontier import (
     at_budget,
     budget_groups,
@@ -159,6 +160,17 @@ def fit_warnings(report: dict[str, Any]) -> list[str]:
                 "extrapolation that far rests on the law's form, not on the runs"
             )
     return out
+
+
+def _table_regime_warnings(table: Table) -> list[str]:
+    """`regime_warnings` of every row of the table, fitted and held out, named as the table names them."""
+    parts = (table.fit, table.holdout)
+    points = Points(
+        *(np.concatenate([getattr(p, k) for p in parts]) for k in ("N", "D", "L", "C", "U", "budget"))
+    )
+    rows = table.fit_rows + table.holdout_rows
+    labels = [run_label(r, n, d, u) for r, n, d, u in zip(rows, points.N, points.D, points.U)]
+    return regime_warnings(points, labels)
 
 
 def _point_residuals(fit: FitResult, points: Points) -> np.ndarray:
@@ -333,6 +345,8 @@ def run_fit(
         "max_flops": float(max(np.max(kept.fit.C), np.max(table.holdout.C, initial=0.0))),
     }
     report["warnings"] = fit_warnings(report)
+    # the runs outside what the law describes: only L(N, D, U) knows epochs (and 5 tokens/param is its bound)
+    report["regime_warnings"] = _table_regime_warnings(table) if law == "data-constrained" else []
     if law == "compute" and len(table.holdout):
         report["holdout_budgets"] = [at_budget(fit, table.holdout, g) for g in budget_groups(table.holdout)]
     if law != "compute":
@@ -377,7 +391,8 @@ def _fmt_loss(loss: float) -> str:
 
 
 def format_fit(report: dict[str, Any]) -> str:
-    """A readable summary of `run_fit`'s report: parameters, predictions, leave-largest-out, target."""
+    """A readable summary of `run_fit`'s report: parameters, predictions, leave-largest-out, target; a line
+    `WARNING: ...` for each regime the law cannot describe that some runs are in (`regime_warnings`)."""
     fit = report["fit"]
     lines = [
         f"{report['law']} fit of {report['input']}: {fit['form']}",
@@ -391,6 +406,7 @@ def format_fit(report: dict[str, Any]) -> str:
     if warnings:
         lines.append("  WARNING: this fit is not to be trusted as it stands:")
         lines += [f"    - {w}" for w in warnings]
+    lines += [f"WARNING: {w}" for w in report.get("regime_warnings") or []]
     level = round(100 * fit["level"])
     lines.append(f"  parameters ({level}% intervals):")
     for name, value in fit["params"].items():
