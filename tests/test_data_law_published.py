@@ -15,6 +15,7 @@ import pytest
 from tenx.cli import main
 from tenx.errors import ConfigError
 from tenx.scaling.fit import (
+    EXCESS_PARAMS_FORM,
     effective_data,
     fit_data_constrained,
     regime_warnings,
@@ -190,3 +191,30 @@ def test_tenx_fit_prints_the_regime_warnings(tmp_path, capsys):
     assert "146m174b100m (3.897 after 1740 epochs, above 146m5b9100m's 3.718 after 59)" in warned[1]
     report = json.loads((tmp_path / "fit.json").read_text())
     assert [f"WARNING: {w}" for w in report["regime_warnings"]] == warned
+
+
+def test_tenx_fit_excess_params_writes_r_n_star_that_the_planner_reads(tmp_path, capsys):
+    argv = ["fit", str(SUBSET), "--law", "data-constrained", "--loss-column", "val_loss"]
+    argv += ["--filter", "dedup_data=False", "--no-plot", "--bootstrap", "3", "--max-residual", "0"]
+    assert main([*argv, "--excess-params", "--json", str(tmp_path / "fit.json")]) == 0
+    fit = json.loads((tmp_path / "fit.json").read_text())["fit"]
+    assert fit["form"] == EXCESS_PARAMS_FORM and fit["params"]["R_N_star"] > 0
+    assert len(fit["samples"][0]) == 7
+    from tenx.plan.allocate import load_fit
+
+    loaded = load_fit(tmp_path / "fit.json")
+    assert loaded.params["R_N_star"] == fit["params"]["R_N_star"] and loaded.samples.shape == (3, 7)
+    assert np.isfinite(loaded.predict(N=1e9, D=2e10, U=1e10))
+    # the term belongs to the data-constrained law alone
+    chin = [
+        "fit",
+        str(SUBSET),
+        "--loss-column",
+        "val_loss",
+        "--no-plot",
+        "--bootstrap",
+        "0",
+        "--excess-params",
+    ]
+    assert main([*chin, "--json", str(tmp_path / "c.json")]) == 2
+    assert "--excess-params: only with --law data-constrained" in capsys.readouterr().err

@@ -63,6 +63,10 @@ def load_fit(path: str | Path) -> Any:
     if law == "data-constrained" and not isinstance(params.get("R_D_star"), (int, float)):
         raise ConfigError(f"--fit {path}: a data-constrained fit needs fit.params.R_D_star")
     order = names + (("R_D_star",) if law == "data-constrained" else ())  # the law's column order
+    if law == "data-constrained" and "R_N_star" in params:  # fitted with the excess-parameters term
+        if not isinstance(params["R_N_star"], (int, float)):
+            raise ConfigError(f"--fit {path}: fit.params.R_N_star must be a number")
+        order += ("R_N_star",)
     values = {k: float(params[k]) for k in order}
     samples = np.zeros((0, len(values)))
     if fit.get("samples") is not None:  # `tenx fit` writes its bootstrap fits: the intervals come from them

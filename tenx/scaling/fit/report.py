@@ -287,6 +287,7 @@ def run_fit(
     plot: bool = True,
     huber_delta: float = 1e-3,
     tie_exponents: bool = False,
+    excess_params: bool = False,
     min_tokens_per_param: float = 0.0,
     max_residual: float = 0.05,
     **table_kw: Any,
@@ -306,6 +307,10 @@ def run_fit(
     kw: dict[str, Any] = {"bootstrap": bootstrap, "seed": seed, "huber_delta": huber_delta}
     if law == "chinchilla":
         kw["tie_exponents"] = tie_exponents
+    if excess_params:
+        if law != "data-constrained":
+            raise ConfigError("--excess-params: only with --law data-constrained (Muennighoff et al.'s R*_N)")
+        kw["excess_params"] = True
     keep, reasons = select_runs(
         table, law, min_tokens_per_param=min_tokens_per_param, max_residual=max_residual, **kw
     )
