@@ -230,12 +230,20 @@ def million_rows_seconds(rows: list[dict[str, Any]], directory: Path) -> dict[st
 
 
 def data_law_figures(data: Path) -> dict[str, Any]:
-    try:
-        from tenx.scaling.fit.data_law_check import data_law_check
-    except ImportError:
-        return {}
+    from tenx.scaling.fit.data_law_check import data_law_check
 
-    return data_law_check(data / "datablations" / "final_val_losses.csv")
+    r = data_law_check(data / "datablations" / "final_val_losses.csv")
+    return {
+        "worst": r["worst"],
+        "worst_all": r["worst_all"],
+        "runs": [
+            {k: run[k] for k in ("name", "epochs", "tokens", "error", "compute_optimal")} for run in r["runs"]
+        ],
+        "leave_one_size_out": {f"{n:.4g}": e for n, e in r["leave_one_size_out"].items()},
+        "leave_one_size_out_mean": r["leave_one_size_out_mean"],
+        "warnings": r["warnings"],
+        "options": r["options"],
+    }
 
 
 def run(data: Path, laws: Sequence[str], bootstrap: int, quick: bool = False) -> dict[str, Any]:
