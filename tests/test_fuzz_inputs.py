@@ -1153,7 +1153,7 @@ def _affordable(config: Path, overrides: list[str]) -> bool:
             cfg.checkpoint.every == "auto" or cfg.checkpoint.every == 0 or steps // cfg.checkpoint.every <= 3
         )
         and (cfg.checkpoint.memory_every == 0 or steps // cfg.checkpoint.memory_every <= 3)
-        and not (cfg.log.wandb and cfg.log.wandb_mode == "online")  # would reach W&B over the network
+        and not (cfg.log.wandb and cfg.log.wandb_mode != "offline")  # would reach W&B over the network
     )
 
 

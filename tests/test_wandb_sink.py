@@ -96,13 +96,14 @@ def offline(monkeypatch, tmp_path):
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
         "WANDB_CONSOLE": "off",
-        "WANDB_DIR": str(tmp_path / "wandb-default"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
         "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
         "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY"):  # runs go where the config says: RUN_DIR/wandb
+        monkeypatch.delenv(name, raising=False)
 
 
 def _band(steps: int, loss: float) -> Prediction:
@@ -249,6 +250,69 @@ def test_without_the_package_the_run_stops_before_its_first_step_saying_pip_inst
     assert not RunDir(tmp_path / "run").metrics.exists()
 
 
-def test_an_empty_project_is_refused_naming_the_field(tiny_config, tiny_data):
+def test_a_blank_or_malformed_project_is_refused_naming_the_field(tiny_config, tiny_data):
     with pytest.raises(ConfigError, match="log.wandb_project"):
-        tiny_config(tiny_data, "log.wandb=true", 'log.wandb_project=""')
+        tiny_config(tiny_data, "log.wandb=true", 'log.wandb_project="  "')
+    with pytest.raises(ConfigError, match="log.wandb_project"):
+        tiny_config(tiny_data, "log.wandb=true", 'log.wandb_project="a/b"')
+
+
+def test_wandb_mode_from_the_environment_runs_offline_where_the_config_says_nothing(
+    tiny_config, tiny_data, tmp_path, offline, monkeypatch
+):
+    """WANDB_MODE=offline with log.wandb=true and no log.wandb_mode: the run trains offline (the config's
+    old default, online, overrode the variable: "No API key configured"); WANDB_DIR holds the W&B run."""
+    from tenx.train.run import train
+
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-default"))
+    cfg = tiny_config(
+        tiny_data, "train.steps=3", "checkpoint.every=0", "train.eval_every=0", "log.wandb=true"
+    )
+    assert cfg.log.wandb_mode == "" and cfg.log.wandb_project == ""
+    run = tmp_path / "run"
+    train(cfg, run)
+    assert not (run / "wandb").exists()
+    rows, _, wb_dir = wandb_history(tmp_path / "wandb-default")
+    assert sorted(r["step"] for r in rows if "step" in r) == [1, 2, 3]
+    assert wb_dir.parent.parent == tmp_path / "wandb-default"
+
+
+class _FakeWandb:
+    """Stands for the wandb module: records what `init` was given."""
+
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] = {}
+
+    def init(self, **kwargs: Any) -> Any:
+        self.kwargs = kwargs
+        return self
+
+    def define_metric(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_the_config_wins_over_wandb_environment_variables_and_fills_none_of_its_own(tmp_path, monkeypatch):
+    from tenx.train.callbacks import wandb_sink
+
+    fake = _FakeWandb()
+    monkeypatch.setattr(wandb_sink, "import_wandb", lambda: fake)
+    view = type("View", (), {"step": 0})()
+    env = {"WANDB_PROJECT": "env-project", "WANDB_ENTITY": "env-team", "WANDB_MODE": "offline"}
+    for name, value in {**env, "WANDB_DIR": str(tmp_path / "env-dir")}.items():
+        monkeypatch.setenv(name, value)
+    sink = wandb_sink.WandbSink(tmp_path / "run", project="")
+    sink.on_train_start(view)
+    assert fake.kwargs["project"] == "env-project" and fake.kwargs["dir"] == str(tmp_path / "env-dir")
+    assert fake.kwargs["mode"] is None and fake.kwargs["entity"] is None  # W&B reads its variables itself
+    sink = wandb_sink.WandbSink(
+        tmp_path / "run2", project="cfg", entity="team", mode="online", directory=str(tmp_path / "d")
+    )
+    sink.on_train_start(view)
+    assert (fake.kwargs["project"], fake.kwargs["entity"], fake.kwargs["mode"]) == ("cfg", "team", "online")
+    assert fake.kwargs["dir"] == str(tmp_path / "d")
+    for name in (*env, "WANDB_DIR"):
+        monkeypatch.delenv(name)
+    sink = wandb_sink.WandbSink(tmp_path / "run3", project="")
+    sink.on_train_start(view)
+    assert fake.kwargs["project"] == "tenx" and fake.kwargs["dir"] == str(tmp_path / "run3")

@@ -157,23 +157,29 @@ class LogConfig:
         help="also mirror metrics.jsonl, events.jsonl and the prediction band to Weights & Biases "
         "(pip install wandb; docs/interop.md); off, wandb is never imported",
     )
-    wandb_project: str = field("tenx", help="log.wandb: the W&B project")
-    wandb_entity: str = field("", help="log.wandb: the W&B team or user (default: the login's)")
+    wandb_project: str = field(
+        "", help="log.wandb: the W&B project (empty: W&B's WANDB_PROJECT environment variable, else 'tenx')"
+    )
+    wandb_entity: str = field(
+        "", help="log.wandb: the W&B team or user (empty: WANDB_ENTITY, else the login's default)"
+    )
     wandb_name: str = field("", help="log.wandb: the W&B run's name (default: the run directory's name)")
-    wandb_mode: Literal["online", "offline"] = field(
-        "online",
+    wandb_mode: Literal["", "online", "offline"] = field(
+        "",
         help="log.wandb: 'online' sends as the run goes; 'offline' writes the W&B run locally, for "
-        "`wandb sync` later (compute nodes without internet)",
+        "`wandb sync` later (compute nodes without internet); empty: W&B decides (WANDB_MODE, else online)",
     )
     wandb_dir: str = field(
-        "", help="log.wandb: where W&B writes its wandb/ folder (default: the run directory)"
+        "", help="log.wandb: where W&B writes its wandb/ folder (empty: WANDB_DIR, else the run directory)"
     )
 
     def validate(self) -> None:
         if not self.wandb:
             return
-        if not self.wandb_project.strip():
-            raise ConfigError("log.wandb_project: empty; name the W&B project the run logs to")
+        if self.wandb_project and not self.wandb_project.strip():
+            raise ConfigError(
+                "log.wandb_project: blank; name the W&B project, or leave it empty for W&B's own"
+            )
         for key in ("wandb_project", "wandb_entity"):
             value = getattr(self, key)
             if len(value) > 128 or any(c in value for c in "/\\#?%:") or not value.isprintable():

@@ -20,11 +20,14 @@ The W&B run id and how many events were sent live in RUN_DIR/wandb.json, so a re
 the supervisor's restarts) continues the same W&B run without sending an event twice; a fresh start opens a
 new one. `wandb` is imported only when log.wandb is true: without it no W&B code runs and nothing reaches
 the network. Offline mode (log.wandb_mode = "offline") writes the run under log.wandb_dir for `wandb sync`.
+A field the config leaves empty (project, entity, mode, dir) is W&B's own environment variable's
+(WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE, WANDB_DIR), as in any trainer that logs to W&B.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from pathlib import Path
@@ -38,6 +41,8 @@ from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json, ensure_writable
 
 WANDB_RUN_ID = re.compile(r"[0-9a-f]{16}")
+DEFAULT_PROJECT = "tenx"
+"""The W&B project when neither log.wandb_project nor WANDB_PROJECT names one."""
 """The W&B run ids this sink makes (and takes back from RUN_DIR/wandb.json)."""
 
 
@@ -69,16 +74,20 @@ class WandbSink(Callback):
         project: str,
         entity: str = "",
         name: str = "",
-        mode: str = "online",
+        mode: str = "",
         directory: str = "",
         prediction: str = "",
         config: dict[str, Any] | None = None,
     ) -> None:
         self.wandb = import_wandb()  # here, so a missing package stops the run before its first step
         self.run = rundir.RunDir(run_dir)
-        self.project, self.entity, self.mode = project, entity, mode
+        # what the config leaves empty, W&B's own environment variables decide, as in any trainer that logs
+        # to W&B (WANDB_MODE=offline on a node without internet); tenx's fallbacks only where both are unset
+        self.project = project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
+        self.entity = entity or None  # W&B reads WANDB_ENTITY, else the login's default
+        self.mode = mode or None  # W&B reads WANDB_MODE, else online
         self.run_name = name or self.run.root.resolve().name
-        self.directory = Path(directory) if directory else self.run.root
+        self.directory = Path(directory or os.environ.get("WANDB_DIR") or self.run.root)
         self.config = config or {}
         self.prediction: Prediction | None = None
         if prediction:
@@ -100,7 +109,7 @@ class WandbSink(Callback):
             self.directory.mkdir(parents=True, exist_ok=True)
             self._wb_run = self.wandb.init(
                 project=self.project,
-                entity=self.entity or None,
+                entity=self.entity,
                 name=self.run_name,
                 id=run_id,
                 resume="allow",
