@@ -27,12 +27,12 @@ from tenx.utils.io import atomic_write_json
 # Dense (non-sparse) peak FLOP/s by GPU model, as torch.cuda.get_device_name spells it; bf16 and fp32.
 # The first model named in the device name wins (gpu_peak), so a variant precedes its family.
 GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"bf16": 989e12, "fp32": 67e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp32": 51e12}),
-    ("H100 NVL", {"bf16": 835e12, "fp32": 60e12}),
-    ("H100", {"bf16": 989e12, "fp32": 67e12}),
+    ("H200", {"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp32": 51e12, "fp8": 1513e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp32": 60e12, "fp8": 1671e12}),
+    ("H100", {"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}),
     ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp32": 91.6e12}),
+    ("L40S", {"bf16": 362e12, "fp32": 91.6e12, "fp8": 733e12}),
     ("A10", {"bf16": 125e12, "fp32": 31.2e12}),
     ("4090", {"bf16": 165e12, "fp32": 82.6e12}),
     ("3090", {"bf16": 71e12, "fp32": 35.6e12}),
@@ -219,11 +219,17 @@ def measure_matmul_flops(
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else the best measurement seen."""
+def peak_flops(device: torch.device, dtype: torch.dtype, float8: bool = False) -> float:
+    """Peak matmul FLOP/s for MFU: the vendor figure on a known GPU, else the best measurement seen.
+
+    `float8`: the run's linears multiply in float8 (train.precision = "fp8"), so MFU is against the float8
+    peak (dense, the vendor's figure; a GPU without one listed is measured in `dtype`, which makes a float8
+    step look faster than the peak: the trainer then reports MFU as unknown, never above 100%)."""
     key_dtype = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
     if device.type == "cuda":
         peaks = gpu_peak(torch.cuda.get_device_name(device))
+        if peaks is not None and float8 and "fp8" in peaks:
+            return peaks["fp8"]
         return peaks[key_dtype] if peaks is not None else measure_matmul_flops(dtype, device, n=4096)
     key = f"{cpu_name()}|threads={torch.get_num_threads()}|{key_dtype}|torch={torch.__version__}"
     path = _cache_path()

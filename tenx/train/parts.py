@@ -354,7 +354,9 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         data=DataParts(train_stream, val_stream, manifest, loader, data_skips),
         trained=built,
         flops=Flops(
-            count_params(model_cfg), flops_per_token(model_cfg), peak_flops(device, amp_dtype) * data_parallel
+            count_params(model_cfg),
+            flops_per_token(model_cfg),
+            peak_flops(device, amp_dtype, float8=cfg.train.precision == "fp8") * data_parallel,
         ),
         checkpoints=CheckpointParts(checkpointer, memory_checkpointer, checkpoint_group),
         services=ServiceParts(

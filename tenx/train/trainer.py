@@ -40,6 +40,7 @@ from tenx.rundir import step_of
 from tenx.train.callbacks.budget import WallBudget
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
+from tenx.train.mfu import MfuMeter
 from tenx.train.parts import Parts, build_parts
 from tenx.train.rng import seed_everything
 from tenx.train.state import TrainerState, git_commit
@@ -106,7 +107,11 @@ class Trainer(TrainerState):
         """The wall-clock budget whose plan the loop follows (tenx.train.callbacks.budget); None: none."""
         self.optim_cfg = cfg.optim
         """The optimizer settings the steps follow: cfg.optim, with the budget's warmup when it re-plans."""
-        self._peak_checked = float("-inf")  # when the peak was last measured again (`_raise_peak`)
+        float8 = cfg.train.precision == "fp8"
+        self.mfu_meter = MfuMeter(
+            lambda: peak_flops(self.device, self.amp_dtype, float8=float8) * self.data_parallel,
+            lambda kind, **fields: self.events.emit(kind, self.step, **fields) if self.rank == 0 else None,
+        )
         self._auto_threads = (  # a lone CPU process choosing its threads: it follows other programs' load
             self.device.type == "cpu"
             and cfg.train.threads is None
@@ -181,8 +186,9 @@ class Trainer(TrainerState):
         dt = time.perf_counter() - t0
         tokens_per_s = self.tokens_per_step / dt
         achieved = self.flops_per_token * tokens_per_s
-        if achieved > self.peak_flops:
-            self._raise_peak(achieved)
+        mfu, peak = self.mfu_meter(achieved, self.peak_flops)
+        if peak != self.peak_flops:
+            self.parts.flops = dataclasses.replace(self.parts.flops, peak=peak)
         metrics: dict[str, Any] = {
             "step": self.step,
             "tokens": self.tokens_seen,
@@ -190,7 +196,7 @@ class Trainer(TrainerState):
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": achieved / self.peak_flops,
+            "mfu": mfu,
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
@@ -201,19 +207,6 @@ class Trainer(TrainerState):
         if self.ledger is not None:
             self.ledger.step(self.step, dt, skipped=verdict is not None)
         return metrics
-
-    def _raise_peak(self, achieved: float) -> None:
-        """A step ran above the peak MFU is taken against, so that peak is too low (on a CPU: measured while
-        other work shared the cores). Measure it again, at most once a minute, and take no less than the rate
-        just achieved: MFU never exceeds 100%. The run records it as a `peak-flops-raised` event."""
-        before, now = self.peak_flops, time.perf_counter()
-        peak = achieved
-        if now - self._peak_checked >= 60.0:
-            self._peak_checked = now
-            peak = max(peak, peak_flops(self.device, self.amp_dtype) * self.data_parallel)
-        self.parts.flops = dataclasses.replace(self.parts.flops, peak=peak)
-        if self.rank == 0 and peak > 1.01 * before:
-            self.events.emit("peak-flops-raised", self.step, before=before, achieved=achieved, peak=peak)
 
     def _follow_budget(self) -> None:
         """Take the wall-clock budget's latest plan (tenx.train.callbacks.budget): the run's length and the

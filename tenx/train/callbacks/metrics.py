@@ -88,7 +88,11 @@ class Progress(Callback):
             self._bar = tqdm(total=trainer.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
 
     def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
-        text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {100 * metrics['mfu']:.1f}%"
+        mfu = metrics.get("mfu")
+        shown = (
+            f"{100 * mfu:.1f}%" if mfu is not None else "unknown (a step above the peak: FLOPs or peak wrong)"
+        )
+        text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s | mfu {shown}"
         if "val_loss" in metrics:
             text += f" | val {metrics['val_loss']:.4f}"
         self._watch.update({k: v for k, v in metrics.items() if k.startswith("pred_")})
