@@ -15,7 +15,8 @@ it wrote holds up (files, verdicts, bitwise equality); otherwise it is the error
   triage, bisect     an injected op-bug crash; tenx triage names aten.nll_loss_forward (library-op), and
                      the bisection's repro.py still shows the fault
   compress           tenx compress / decompress round trip, byte for byte
-  export, export-load  the Hugging Face export; transformers' logits equal tenx's (skipped without it)
+  export, export-load  the Hugging Face export, read back by tenx's importer to tenx's logits; transformers'
+                     logits equal tenx's (export-load: skipped without transformers)
   plan-measure       tenx plan --measure on tiny (calibration kept in the work directory, not ~/.cache)
   ladder, derisk     the shipped configs at their tiniest budgets (derisk: its first change on a CPU)
   stats, dashboard   train's statistics in metrics.jsonl; tenx report writes the runs' HTML dashboard
@@ -30,7 +31,18 @@ shapes: `tiny`). `plan`: tenx.plan's estimate of that run's step time and peak m
 ones, on a cluster of one such device (the shipped cpu or h100-node factors, this device's peak FLOP/s
 and memory); on a CPU the measured peak is the process's resident memory, Python and torch included.
 
-    python bench/gpu_check.py [--device cuda|cpu] [--out DIR] [--workers N] [--shape SHAPE]
+    python bench/gpu_check.py [--device cuda|cpu] [--out DIR] [--workers N] [--shape SHAPE] [--budget-s S]
+
+The throughput runs first (after prepare), alone on the device, then the commands. Each entry is appended
+to WORK/fragments.jsonl the moment it is known (a shape's with its throughput and plan figures), so a check
+cut short still yields every figure so far (`--out DIR` keeps them). The summary counts passed, skipped
+(only where the machine gives the reason: SKIPPABLE), failed and dropped commands, never a skip as a pass:
+"17 passed, 2 skipped, 0 failed of 19 commands"; the JSON line has `counts`. `--budget-s S` fits the whole
+check into S seconds: a command that would end past it (by its seconds the last time it passed on this
+device, kept in tenx's cache, else EXPECTED_S) is dropped, and named in the summary and under `dropped`.
+Derisk, export, eval and plan-measure pass only on checked contents: finite positive multipliers; the
+exported weights, read back by tenx's own importer, give tenx's logits; bits per byte recomputed from the
+report's own totals; predicted and measured step time and memory both present, their ratio as reported.
 
 It is sized to finish within 8 minutes on one H100; `--device cpu` runs the matrix in about 2 minutes on 2
 cores (tests/test_gpu_check.py). It exits with 1 when an entry fails, and then keeps its work directory
@@ -77,6 +89,17 @@ MARKER = "GPU_CHECK_SHAPE "
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)\b(:|$)")
 
+IMPORT_EXPORT = """
+import json, sys, torch
+from tenx.eval.load import load_model
+from tenx.export.hf_import import import_hf
+run, out = sys.argv[1:3]
+model = load_model(run, "cpu").model.float().eval()
+back = import_hf(out)
+ids = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    print(json.dumps({"max_abs_diff": (back(ids) - model(ids)).abs().max().item()}))
+"""
 LOAD_EXPORT = """
 import json, sys, torch, transformers
 from tenx.eval.load import load_model
@@ -136,6 +159,8 @@ class Context:
     env: dict[str, str] = field(default_factory=dict)
     throughput: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """each check's wall seconds, as recorded"""
 
     @property
     def cuda(self) -> bool:
@@ -283,9 +308,15 @@ def check_eval(ctx: Context) -> None:
         "--out",
         str(out),
     )
-    bpb = json.loads(out.read_text())["datasets"]["heldout"]["bits_per_byte"]
-    if not (math.isfinite(bpb) and 0 < bpb < 9):
+    held = json.loads(out.read_text())["datasets"]["heldout"]
+    bpb = held["bits_per_byte"]
+    if not (isinstance(bpb, (int, float)) and math.isfinite(bpb) and 0 < bpb < 9):
         raise CheckFailed(f"held-out bits per byte {bpb}")
+    again = held["nll_nats"] / math.log(2) / held["bytes"]  # from its own totals: the figure adds up
+    if not (held["bytes"] > 0 and held["tokens"] > 0 and math.isclose(bpb, again, rel_tol=1e-9)):
+        raise CheckFailed(f"bits per byte {bpb} is not its nll {held['nll_nats']} over {held['bytes']} bytes")
+    if not math.isclose(held["loss"], held["nll_nats"] / held["tokens"], rel_tol=1e-9):
+        raise CheckFailed(f"loss {held['loss']} is not its nll over its {held['tokens']} tokens")
 
 
 def check_sample(ctx: Context) -> None:
@@ -353,6 +384,11 @@ def check_export(ctx: Context) -> None:
     missing = [n for n in ("config.json", "model.safetensors") if not (out / n).is_file()]
     if missing:
         raise CheckFailed(f"the export has no {', '.join(missing)}")
+    # the exported weights read back (tenx's own importer, no transformers needed) give tenx's logits
+    cmd = [sys.executable, "-c", IMPORT_EXPORT, str(ctx.run_dir("train")), str(out)]
+    diff = json.loads(ctx.process("export-import", cmd).stdout.strip().splitlines()[-1])["max_abs_diff"]
+    if not diff <= 1e-4:
+        raise CheckFailed(f"the exported weights' logits differ from tenx's by up to {diff:.3g}")
 
 
 def check_export_load(ctx: Context) -> str | None:
@@ -382,6 +418,19 @@ def check_plan_measure(ctx: Context) -> None:
     ratios = [r[k] for r in after.values() for k in ("step_time_ratio", "memory_ratio")]
     if len(after) < 2 or not all(math.isfinite(r) and r > 0 for r in ratios):
         raise CheckFailed(f"calibrated predicted/measured ratios {ratios}")
+    keys = ("predicted_step_s", "measured_step_s", "predicted_memory_gb", "measured_memory_gb")
+    for case, r in after.items():
+        bad = [
+            k for k in keys if not (isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) and r[k] > 0)
+        ]
+        if bad:
+            raise CheckFailed(
+                f"plan --measure case {case}: {', '.join(bad)} missing or not a positive number"
+            )
+        if not math.isclose(r["step_time_ratio"], r["predicted_step_s"] / r["measured_step_s"], rel_tol=1e-6):
+            raise CheckFailed(
+                f"plan --measure case {case}: its step-time ratio is not predicted over measured"
+            )
 
 
 def check_ladder(ctx: Context) -> None:
@@ -431,6 +480,14 @@ def check_derisk(ctx: Context) -> None:
     missing = [n for n in ("report.md", "report.png", "derisk.json") if not (out / n).is_file()]
     if missing:
         raise CheckFailed(f"derisk wrote no {', '.join(missing)}")
+    found = []
+    for change in json.loads((out / "derisk.json").read_text())["changes"]:
+        for ref in ("marginal", "cumulative"):
+            m = change.get(ref) or {}
+            found += [m.get("multipliers")]
+    values = [x for ms in found if ms for x in ms]
+    if not values or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in values):
+        raise CheckFailed(f"derisk.json: multipliers {values[:6]} (expected finite positive numbers)")
 
 
 def check_stats(ctx: Context) -> None:
@@ -596,11 +653,68 @@ def check_shape(shape: str) -> Callable[[Context], str | None]:
 
 
 # ----- running them ----------------------------------------------------------------------------------
+EXPECTED_S = {"cuda": 60.0, "cpu": 30.0}
+"""Seconds a check is expected to take when this machine has not run it before (then: its last time,
+GPU_CHECK_SECONDS in tenx's cache). --budget-s starts no check that would end past the budget."""
+GPU_CHECK_SECONDS = "gpu-check-seconds.json"
+
+
+def expected_seconds(device: torch.device) -> dict[str, float]:
+    """Each check's seconds the last time it ran on this device (by name), from tenx's cache."""
+    from tenx.utils.io import cache_dir
+
+    try:
+        known = json.loads((cache_dir() / GPU_CHECK_SECONDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    mine = known.get(device_name(device), {}) if isinstance(known, dict) else {}
+    return {k: float(v) for k, v in mine.items() if isinstance(v, (int, float))}
+
+
+def remember_seconds(device: torch.device, seconds: dict[str, float]) -> None:
+    """Keep each check's seconds on this device for the next --budget-s (best effort: a cache)."""
+    from tenx.utils.io import atomic_write_json, cache_dir
+
+    path = cache_dir() / GPU_CHECK_SECONDS
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    known[device_name(device)] = {**known.get(device_name(device), {}), **seconds}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, known)
+
+
+@dataclass
+class Budget:
+    """--budget-s: the whole check's wall time; a check that would end past it is dropped, and named."""
+
+    seconds: float | None
+    expected: dict[str, float]
+    default: float
+
+    def refuses(self, name: str, elapsed: float) -> str | None:
+        if self.seconds is None:
+            return None
+        need = self.expected.get(name, self.default)
+        if elapsed + need <= self.seconds:
+            return None
+        return f"dropped: would not fit in --budget-s {self.seconds:g} (about {need:.0f} s, {elapsed:.0f} s gone)"
+
+
 def run_checks(
-    ctx: Context, checks: list[Check], workers: int, t0: float, earlier: dict[str, str] | None = None
+    ctx: Context,
+    checks: list[Check],
+    workers: int,
+    t0: float,
+    earlier: dict[str, str] | None = None,
+    budget: Budget | None = None,
 ) -> dict[str, str]:
     """Each check once its needs passed (here or in `earlier`), `workers` processes busy at most; the entries
-    of these checks and the earlier ones, by name."""
+    of these checks and the earlier ones, by name. Each entry is written to WORK/fragments.jsonl the moment
+    it is known (with the throughput and plan figures of a shape), so a check cut short keeps what it had."""
     results: dict[str, str] = dict(earlier or {})
     pending, running = list(checks), {}
     free = workers
@@ -617,7 +731,14 @@ def run_checks(
 
     def record(name: str, entry: str, seconds: float = 0.0) -> None:
         results[name] = entry
+        ctx.seconds[name] = seconds
         print(f"[{time.perf_counter() - t0:6.1f} s] {name}: {entry} ({seconds:.1f} s)", flush=True)
+        fragment: dict[str, Any] = {"name": name, "entry": entry, "seconds": round(seconds, 1)}
+        shape = name.removeprefix("throughput ")
+        if shape != name:
+            fragment |= {"throughput": ctx.throughput.get(shape), "plan": ctx.plan.get(shape)}
+        with open(ctx.work / "fragments.jsonl", "a") as f:
+            f.write(json.dumps(fragment, default=str) + "\n")
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         while pending or running:
@@ -627,9 +748,15 @@ def run_checks(
                 failed = [n for n in check.needs if results[n] != "pass"]
                 if failed:
                     pending.remove(check)
-                    record(check.name, f"not run: {failed[0]} did not pass")
+                    dropped = results[failed[0]].startswith("dropped")
+                    record(check.name, f"{'dropped' if dropped else 'not run'}: {failed[0]} did not pass")
                     continue
                 take = min(check.slots, workers)
+                refused = budget.refuses(check.name, time.perf_counter() - t0) if budget else None
+                if refused and take <= free:
+                    pending.remove(check)
+                    record(check.name, refused)
+                    continue
                 if take <= free:
                     pending.remove(check)
                     free -= take
@@ -642,6 +769,26 @@ def run_checks(
                 free += take
                 record(check.name, *future.result())
     return results
+
+
+def outcome(name: str, entry: str) -> str:
+    """passed, skipped (a reason the machine gives: SKIPPABLE entries only), dropped (--budget-s) or failed.
+    A skip is never a pass, and a skip of a command that must run here is a failure."""
+    if entry == "pass":
+        return "passed"
+    if entry.startswith("skipped") and name in SKIPPABLE:
+        return "skipped"
+    if entry.startswith("dropped"):
+        return "dropped"
+    return "failed"
+
+
+def command_counts(commands: dict[str, str]) -> dict[str, int]:
+    """{passed, skipped, failed, dropped}: how many commands ended each way."""
+    counts = dict.fromkeys(("passed", "skipped", "failed", "dropped"), 0)
+    for name, entry in commands.items():
+        counts[outcome(name, entry)] += 1
+    return counts
 
 
 def subprocess_env(work: Path) -> dict[str, str]:
@@ -664,6 +811,12 @@ def main() -> None:
     ap.add_argument("--out", help="work directory, kept (default: a temporary one, kept only on a failure)")
     ap.add_argument("--workers", type=int, help="commands at once (default: 4 on CUDA, 2 on a CPU)")
     ap.add_argument("--timeout", type=float, help="seconds per command (default: 300 on CUDA, 120 on a CPU)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="fit the whole check into this many seconds: a command that would end past it (by its time on "
+        "this device last run, else 60 s on CUDA, 30 s on a CPU) is dropped and named",
+    )
     ap.add_argument("--shape", choices=SHAPES, help="only the throughput and plan of this shape, as JSON")
     ap.add_argument("--steps", type=int, default=12, help="--shape: steps of each run")
     ap.add_argument("--skip", type=int, default=4, help="--shape: warm-up steps left out of the timing")
@@ -694,20 +847,23 @@ def main() -> None:
         Check(f"throughput {s}", check_shape(s), ("prepare",), tuple(f"throughput {p}" for p in SHAPES[:i]))
         for i, s in enumerate(SHAPES)
     ]
-    if cuda:  # alone on the GPU, one after the other, once the commands are done
-        results = run_checks(ctx, shapes, 1, t0, run_checks(ctx, COMMANDS, args.workers or 4, t0))
-    else:  # beside the commands: a CPU's figures are a smoke test, and 2 cores are the limit
-        at = [c.name for c in COMMANDS].index("plan-measure") + 1
-        results = run_checks(ctx, COMMANDS[:at] + shapes + COMMANDS[at:], args.workers or 2, t0)
+    budget = Budget(args.budget_s, expected_seconds(device), EXPECTED_S["cuda" if cuda else "cpu"])
+    # the throughput first, alone on the device, one shape after the other (they share a data directory):
+    # its figures are what a short or cut-short check most needs; then the commands
+    results = run_checks(ctx, COMMANDS[:1], 1, t0, budget=budget)
+    results = run_checks(ctx, shapes, 1, t0, results, budget)
+    results = run_checks(ctx, COMMANDS[1:], args.workers or (4 if cuda else 2), t0, results, budget)
+    remember_seconds(device, {n: s for n, s in ctx.seconds.items() if results.get(n) == "pass"})
     for shape, check in zip(SHAPES, shapes, strict=True):
         if shape not in ctx.throughput:
             ctx.throughput[shape] = {"error": results[check.name]}
             ctx.plan[shape] = {"error": results[check.name]}
     commands = {c.name: results[c.name] for c in COMMANDS}
-    failed = [
-        n for n, e in commands.items() if e != "pass" and not (n in SKIPPABLE and e.startswith("skipped"))
-    ]
-    failed += [s for s in SHAPES if "error" in ctx.throughput[s]]
+    counts = command_counts(commands)
+    dropped = [n for n, e in commands.items() if e.startswith("dropped")]
+    dropped += [s for s in SHAPES if str(ctx.throughput[s].get("error", "")).startswith("dropped")]
+    failed = [n for n, e in commands.items() if outcome(n, e) == "failed"]
+    failed += [s for s in SHAPES if "error" in ctx.throughput[s] and s not in dropped]
     fp8, bf16 = ctx.throughput.get("llama-1b-fp8", {}), ctx.throughput.get("llama-1b", {})
     if "tenx" in fp8 and "tenx" in bf16:  # the acceptance: fp8 against tenx's own bf16
         fp8["over_bf16"] = fp8["tenx"]["tokens_per_s"] / bf16["tenx"]["tokens_per_s"]
@@ -717,12 +873,17 @@ def main() -> None:
         print(f"work directory kept: {ctx.work} (logs/ holds each command's output)")
     else:
         shutil.rmtree(ctx.work, ignore_errors=True)
-    print(f"{len(commands) - len(failed)} of {len(commands)} commands passed in {seconds:.0f} s", flush=True)
+    said = f"{counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed"
+    if dropped:
+        said += f", {len(dropped)} dropped to fit --budget-s {args.budget_s:g} ({', '.join(dropped)})"
+    print(f"{said} of {len(commands)} commands in {seconds:.0f} s", flush=True)
     summary = {
         "bench": "gpu_check",
         "device": device_name(device),
         "torch": torch.__version__,
         "seconds": round(seconds, 1),
+        "counts": counts,
+        "dropped": dropped,
         "commands": commands,
         "throughput": ctx.throughput,
         "plan": ctx.plan,

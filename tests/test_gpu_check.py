@@ -67,6 +67,11 @@ def test_the_cpu_matrix_passes_and_reports_positive_figures(tmp_path):
     }
     assert not bad, f"{bad}\n{done.stdout[-3000:]}"
     assert done.returncode == 0, done.stderr[-3000:]
+    counts = summary["counts"]  # a skip is counted as a skip, never as a pass
+    skips = sum(e.startswith("skipped") for e in summary["commands"].values())
+    assert counts == {"passed": len(COMMANDS) - skips, "skipped": skips, "failed": 0, "dropped": 0}
+    said = f"{counts['passed']} passed, {skips} skipped, 0 failed of {len(COMMANDS)} commands"
+    assert said in done.stdout
     for shape in ("gpt2-d12", "llama-1b"):
         figures = summary["throughput"][shape]
         values = [figures["ratio"], figures["memory_ratio"]]
@@ -125,6 +130,48 @@ def test_a_failed_need_is_named_and_a_skip_is_kept(gpu_check, tmp_path):
         "c": "skipped: needs 2 GPUs",
         "d": "pass",
     }
+
+
+def test_counts_never_take_a_skip_for_a_pass(gpu_check):
+    commands = {
+        "train": "pass",
+        "ddp": "skipped: needs 2 GPUs",  # a reason the machine gives
+        "eval": "skipped: no data",  # a command that must run here: skipping it is a failure
+        "ladder": "dropped: would not fit in --budget-s 300",
+        "sample": "not run: train did not pass",
+    }
+    assert gpu_check.command_counts(commands) == {"passed": 1, "skipped": 1, "failed": 2, "dropped": 1}
+
+
+def test_a_budget_drops_what_would_not_fit_names_it_and_each_entry_is_written_as_it_ends(gpu_check, tmp_path):
+    import torch
+
+    checks = [
+        gpu_check.Check("fast", lambda ctx: None),
+        gpu_check.Check("slow", lambda ctx: None),
+        gpu_check.Check("after-slow", lambda ctx: None, ("slow",)),
+    ]
+    ctx = gpu_check.Context(tmp_path, torch.device("cpu"), 10.0)
+    budget = gpu_check.Budget(60.0, {"slow": 600.0}, 1.0)
+    results = gpu_check.run_checks(ctx, checks, 1, time_now(), budget=budget)
+    assert results["fast"] == "pass"
+    assert results["slow"].startswith("dropped: would not fit in --budget-s 60 (about 600 s")
+    assert results["after-slow"] == "dropped: slow did not pass"
+    assert gpu_check.command_counts(results) == {"passed": 1, "skipped": 0, "failed": 0, "dropped": 2}
+    fragments = [json.loads(x) for x in (tmp_path / "fragments.jsonl").read_text().splitlines()]
+    assert [f["name"] for f in fragments] == ["fast", "slow", "after-slow"]
+    assert fragments[0]["entry"] == "pass" and "seconds" in fragments[0]
+    # without a budget nothing is dropped
+    ctx2 = gpu_check.Context(tmp_path / "b", torch.device("cpu"), 10.0)
+    (tmp_path / "b").mkdir()
+    unbounded = gpu_check.Budget(None, {"slow": 600.0}, 1.0)
+    assert set(gpu_check.run_checks(ctx2, checks, 1, time_now(), budget=unbounded).values()) == {"pass"}
+
+
+def time_now() -> float:
+    import time
+
+    return time.perf_counter()
 
 
 def test_a_command_is_done_when_it_exits_and_its_leftovers_are_ended(gpu_check, tmp_path):
