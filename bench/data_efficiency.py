@@ -12,8 +12,11 @@ the named baseline of this benchmark:
 - leave one out: each repeated-data baseline point (a size, its tokens and unique tokens: the median of its
   seeds, robust to the rare depth-1 run that trains slowly, as the law's Huber fit is) predicted by the law
   fitted to every other baseline run;
-- the largest size: its repeated-data runs predicted by the law fitted to everything else (extrapolation in
-  model size, the harder case).
+- the largest size's repeated points: its repeated-data runs predicted by the law fitted to everything
+  else, the largest size's own fresh (single-epoch) runs included: extrapolation in epochs at that size, not
+  in model size. Holding out the largest size's fresh points too would leave two sizes, which do not pin
+  the law's E, A and alpha (on an exact law its points then come out 6% off): a study of three sizes cannot
+  check extrapolation in model size (docs/scaling.md#muennighoff-et-als-runs does, at 8.7B).
 
 Prints the multipliers table and the held-out errors, writes OUT/report.md and OUT/report.png (held-out loss
 against epochs per size with the law; multipliers per scale), and ends with one JSON line.
@@ -64,11 +67,16 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
         N, D, U = (np.array([t[k] for t in test]) for k in range(3))
         return fit.predict(N=N, D=D, U=U)
 
-    def errors(test: list[tuple[float, float, float]]) -> list[dict[str, float]]:
+    def errors(
+        test: list[tuple[float, float, float]], drop_size: float | None = None
+    ) -> list[dict[str, float]]:
+        """The law fitted without `test` (and without every point of size `drop_size`) predicting it."""
         if not test:
             return []
         left = np.array([index[p] for p in test])
         rest = np.setdiff1d(np.arange(len(rows)), left)
+        if drop_size is not None:
+            rest = rest[cols["params"][rest] != drop_size]
         if not (cols["tokens"][rest] > cols["unique_tokens"][rest] * (1 + 1e-9)).any():
             return []
         predicted = predict(rest, test)
@@ -86,6 +94,8 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
 
     loo = [e for p in repeated for e in errors([p])]
     largest = max((p[0] for p in repeated), default=math.nan)
+    # its fresh points stay in the fit: extrapolation in epochs at the largest size, not in model size (the
+    # law fitted to two sizes alone does not pin E, A and alpha: an exact law's points come out 6% off)
     top = errors([p for p in repeated if p[0] == largest])
     by_size: dict[str, float] = {}
     for e in loo:  # where the law misses: one size, or all of them
@@ -95,8 +105,8 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
         "leave_one_out": loo,
         "leave_one_out_max_abs": max((abs(e["rel_error"]) for e in loo), default=math.nan),
         "leave_one_out_max_abs_by_size": by_size,
-        "largest_size": top,
-        "largest_size_max_abs": max((abs(e["rel_error"]) for e in top), default=math.nan),
+        "largest_size_repeated": top,
+        "largest_size_repeated_max_abs": max((abs(e["rel_error"]) for e in top), default=math.nan),
     }
 
 
@@ -119,15 +129,19 @@ def main() -> None:
             f"  leave one out: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
             f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
         )
-    for p in held["largest_size"]:
-        print(
-            f"  largest size:  N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
-            f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
-        )
+    for label, key in (
+        ("largest size, repeated", "largest_size_repeated"),
+        ("size extrapolation", "size_extrapolation"),
+    ):
+        for p in held[key]:
+            print(
+                f"  {label}: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
+                f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
+            )
     print(
-        f"max |error|: leave one out {100 * held['leave_one_out_max_abs']:.2f}%, largest size from the "
-        f"smaller ones {100 * held['largest_size_max_abs']:.2f}% (on its own fitted points: "
-        f"{100 * result['law_max_abs_rel_error']:.2f}%)"
+        f"max |error|: leave one out {100 * held['leave_one_out_max_abs']:.2f}%, the largest size's repeated "
+        f"points (its fresh ones fitted) {100 * held['largest_size_repeated_max_abs']:.2f}% (on its own fitted "
+        f"points: {100 * result['law_max_abs_rel_error']:.2f}%)"
     )
     print(
         "  left one out, by size: "
@@ -158,7 +172,7 @@ def main() -> None:
         "law_fitted_max_abs_rel_error": result["law_max_abs_rel_error"],
         "law_heldout_max_abs_rel_error": held["leave_one_out_max_abs"],
         "law_heldout_max_abs_rel_error_by_size": held["leave_one_out_max_abs_by_size"],
-        "law_largest_size_max_abs_rel_error": held["largest_size_max_abs"],
+        "law_largest_size_repeated_max_abs_rel_error": held["largest_size_repeated_max_abs"],
         "seed_sigma": result["seed_sigma"],
         "study_wall_s": result["wall_s"],
         "wall_s": time.perf_counter() - started,
