@@ -634,7 +634,7 @@ def check_shape(shape: str) -> Callable[[Context], str | None]:
                 check_float8_support(ctx.device)
             except ConfigError as e:
                 ctx.throughput[shape] = ctx.plan[shape] = {"skipped": str(e)}
-                return None
+                return f"skipped: {e}"  # a skip is said as one, never as a pass
         data = ctx.work / "throughput-data"  # a copy: compare() may prepare into the directory it is given
         if not data.exists():
             shutil.copytree(ctx.data, data)
