@@ -6,8 +6,8 @@ Nonsense is refused: nan, infinities and negative numbers always (no flag of ten
 zero unless the flag is in ZERO_MEANS (each with what 0 means there). A huge value is refused or accepted,
 but must not run away: the command either refuses it or gets as far as its real work (commands that train,
 prepare or serve stop there: WORK names the function each reaches once its flags are checked) within
-LIMIT_S. The sweep of all flags with all values is slow (`-m slow`); the default run draws a fixed
-hypothesis sample of it.
+LIMIT_S. The sweep of all flags with all values is slow (`-m slow`); the default run tries every flag
+once, with the values in turn.
 """
 
 from __future__ import annotations
@@ -249,18 +249,16 @@ def test_the_walk_finds_the_numeric_flags():
         assert expected in FLAGS
 
 
-def test_a_fixed_sample_of_flags_and_values(world, monkeypatch):
-    hypothesis = pytest.importorskip("hypothesis")
-    st = hypothesis.strategies
-    counter = iter(range(10**6))
-
-    @hypothesis.settings(max_examples=120, deadline=None, database=None, derandomize=True)
-    @hypothesis.given(st.sampled_from(FLAGS), st.sampled_from(VALUES))
-    def one(flag: tuple[str, str], value: str) -> None:
-        check(*flag, value, world, next(counter))
-
+def test_every_flag_once_with_the_values_in_turn(world, monkeypatch):
+    """The default run tries every numeric flag the walk finds (a flag added tomorrow too), each with one
+    value taken in turn from VALUES, so that across the flags every value is tried; `-m slow` tries every
+    pair. (A hypothesis sample of 120 pairs left 37 of 106 flags untried.)"""
+    outcomes: dict[tuple[str, str], str] = {}
     with _stopped_at_work(monkeypatch):
-        one()
+        for n, (command, flag) in enumerate(FLAGS):
+            outcomes[(command, flag)] = check(command, flag, VALUES[n % len(VALUES)], world, n)
+    assert set(outcomes) == set(FLAGS)
+    assert {VALUES[n % len(VALUES)] for n in range(len(FLAGS))} == set(VALUES)
 
 
 @pytest.mark.slow

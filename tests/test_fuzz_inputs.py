@@ -252,7 +252,7 @@ def fuzz_env(corpus_dir, tmp_path_factory) -> FuzzEnv:
     doc = base_config_doc()
     runs, eval_data = {}, {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tenx.train.parts.peak_flops", lambda device, dtype: 1e12)
+        mp.setattr("tenx.train.parts.peak_flops", lambda device, dtype, float8=False: 1e12)
         for kind in ("bytes", "bpe"):
             eval_data[kind] = base / f"eval-{kind}" / "data"
             shutil.copytree(pristine[kind], eval_data[kind])
@@ -268,7 +268,7 @@ def fuzz_env(corpus_dir, tmp_path_factory) -> FuzzEnv:
 def fuzz(fuzz_env, monkeypatch, tmp_path):
     """The environment, with the CLI's run costs that do not depend on the inputs taken out."""
     # train measures the machine's matmul speed (0.4 s) for its MFU figure: the same on every case
-    monkeypatch.setattr("tenx.train.parts.peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("tenx.train.parts.peak_flops", lambda device, dtype, float8=False: 1e12)
     # Relative paths a mutation names ('.', '..', 'runs') resolve inside this test's directory, whatever a
     # run does with them.
     cwd = tmp_path / "cwd" / "cwd"
