@@ -13,6 +13,7 @@ import torch
 
 from tenx import hardware
 from tenx.cli import main
+from tenx.train.hooks import Callback
 from tenx.utils import cpus
 from tenx.utils.cpus import cgroup_cpu_limit, others_busy, read_cpu_times, slurm_cpu_limit, usable_cpu_count
 
@@ -323,7 +324,7 @@ def test_training_auto_threads_use_the_same_chooser(tiny_data, tiny_config, tmp_
 def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_threads(
     tiny_data, tiny_config, tmp_path, monkeypatch
 ):
-    """A program busy on one of two cores when the run starts, gone after step 3: the run goes from one
+    """With train.follow_load, a program busy on one of two cores when the run starts, gone after step 3: the run goes from one
     torch thread to two instead of training at half speed to its end; each step's record says which it
     ran on, and replay runs each step on that count, so the steps still reproduce bit for bit."""
     import tenx.train.trainer as trainer_module
@@ -347,7 +348,9 @@ def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_thread
             steps_done.append(trainer.step)
 
     run = tmp_path / "run"
-    cfg = tiny_config(tiny_data, "train.steps=6", "checkpoint.every=0", "train.eval_every=0")
+    cfg = tiny_config(
+        tiny_data, "train.steps=6", "checkpoint.every=0", "train.eval_every=0", "train.follow_load=true"
+    )
     try:
         train(cfg, run, extra_callbacks=[Count()])
     finally:
@@ -361,3 +364,83 @@ def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_thread
         assert replay(run, 5, repeat=1).verdict == "reproduces"
     finally:
         torch.set_num_threads(1)
+
+
+class _CrashAt(Callback):
+    """A callback that fails the run after step `at` (a crash to resume from)."""
+
+    name = "crash"
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if trainer.step == self.at:
+            raise RuntimeError("simulated crash")
+
+
+def _auto(monkeypatch, threads: int) -> None:
+    """Auto threads that choose `threads` (the load of this moment), and torch set to it as a run's start."""
+    import tenx.hardware as hardware
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(hardware, "choose_threads", lambda requested=None, *a, **k: requested or threads)
+
+
+def test_a_resume_under_another_load_keeps_the_runs_thread_count_and_matches_bit_for_bit(
+    tiny_data, tiny_config, tmp_path, monkeypatch, capsys
+):
+    """The uninterrupted run chose 2 threads; it crashes after step 7 and resumes (checkpoint at 5) while
+    another program keeps a core busy, so this moment's load says 1: the resume takes the checkpoint's 2,
+    says so, and steps 6-10 equal the uninterrupted run's bit for bit."""
+    from tenx.monitor.events import read_events
+    from tenx.monitor.metrics_file import read_metrics
+    from tenx.train.run import train
+
+    overrides = ("train.steps=10", "checkpoint.every=5", "train.eval_every=0", "train.precision=fp32")
+    try:
+        _auto(monkeypatch, 2)
+        train(tiny_config(tiny_data, *overrides), tmp_path / "straight")
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[_CrashAt(7)])
+        _auto(monkeypatch, 1)  # a busier machine now
+        trainer, _ = train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", resume="auto")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert trainer.resumed_from is not None and trainer.resumed_from.name == "step_00000005"
+    a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "crashed" / "metrics.jsonl")
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+    restored = [e for e in read_events(tmp_path / "crashed") if e["kind"] == "threads-restored"]
+    assert [(e["saved"], e["chosen"]) for e in restored] == [(2, 1)]
+    assert "resuming on the 2 torch threads the run used" in capsys.readouterr().err
+
+
+def test_a_count_given_on_resume_wins_and_the_difference_is_said(
+    tiny_data, tiny_config, tmp_path, monkeypatch, capsys
+):
+    from tenx.monitor.events import read_events
+    from tenx.train.run import train
+
+    overrides = ("train.steps=6", "checkpoint.every=3", "train.eval_every=0", "train.precision=fp32")
+    try:
+        _auto(monkeypatch, 2)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(tiny_config(tiny_data, *overrides), tmp_path / "run", extra_callbacks=[_CrashAt(4)])
+        train(tiny_config(tiny_data, *overrides, "train.threads=1"), tmp_path / "run", resume="auto")
+        assert torch.get_num_threads() == 1
+        _auto(monkeypatch, 2)
+        train(tiny_config(tiny_data, *overrides), tmp_path / "straight")
+    finally:
+        torch.set_num_threads(1)
+    # what the restored count prevents: one thread where the run used two is another computation
+    from tenx.monitor.metrics_file import read_metrics
+
+    a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["loss"], r["grad_norm"]) for r in a] != [(r["loss"], r["grad_norm"]) for r in b]
+    differ = [e for e in read_events(tmp_path / "run") if e["kind"] == "threads-differ"]
+    assert [(e["saved"], e["threads"]) for e in differ] == [(2, 1)]
+    assert "no longer bit for bit" in capsys.readouterr().err

@@ -197,10 +197,9 @@ def _check_manifest_fields(meta: dict[str, Any]) -> None:
     for key in ("data_dir", "run_id", "tenx_version", "strategy"):
         if key in meta:
             _need(type(meta[key]) is str, key, "a string")
-    if "world_size" in meta:
-        _need(
-            type(meta["world_size"]) is int and meta["world_size"] >= 1, "world_size", "a whole number >= 1"
-        )
+    for key in ("world_size", "threads"):
+        if key in meta:
+            _need(type(meta[key]) is int and meta[key] >= 1, key, "a whole number >= 1")
 
 
 def validate_manifest(path: str | Path, meta: Any) -> dict[str, Any]:

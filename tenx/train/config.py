@@ -78,6 +78,12 @@ class TrainConfig:
         help="CPU threads for torch (default: auto, tenx.hardware.choose_threads: OMP_NUM_THREADS, else the "
         "usable CPUs less those other programs keep busy, shared among this machine's ranks)",
     )
+    follow_load: bool = field(
+        False,
+        help="with auto threads on a lone CPU process: choose the thread count again every 30 s from other "
+        "programs' load (faster on a busy machine, but a count is part of a run's numerics: a run that "
+        "follows the load, or resumes, is no longer bit for bit the uninterrupted run)",
+    )
     tune_allocator: bool = field(
         True, help="CPU on Linux/glibc: keep freed buffers in the heap (avoids a page fault storm every step)"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +30,7 @@ import tenx
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.errors import CheckpointError, DataError, TenxError
-from tenx.hardware import hardware_summary
+from tenx.hardware import env_threads, hardware_summary
 from tenx.parallel.distributed import broadcast_object
 from tenx.rundir import step_of
 from tenx.train.config import RunConfig
@@ -191,6 +192,7 @@ class TrainerState(TrainerParts):
             "run_id": self.run_id(),
             "world_size": self.world_size,
             "strategy": self.strategy,
+            "threads": torch.get_num_threads(),  # part of the numerics: a count orders float reductions
             **({"replicas": self.replicas.state_dict()} if self.replicas is not None else {}),
         }
         checkpointer = self.memory_checkpointer if tier == "memory" else self.checkpointer
@@ -247,7 +249,36 @@ class TrainerState(TrainerParts):
                 f"checkpoint {path}: its training state cannot be restored ({type(e).__name__}: {e})"
             ) from None
         self.resumed_from = Path(path)
+        self._resume_threads(meta.get("threads"), source)
         self._emit("post_state_loaded", source)
+
+    def _resume_threads(self, saved: Any, source: str) -> None:
+        """Take the torch thread count the checkpoint was written with: it orders float reductions, so it
+        is part of the run's numerics, and a count chosen anew from this moment's load would make the resumed
+        run differ from the uninterrupted one. A count the user gives (train.threads, OMP_NUM_THREADS) or a
+        run that follows the load (train.follow_load) keeps its own, and a difference is said."""
+        now = torch.get_num_threads()
+        if not isinstance(saved, int) or saved < 1 or saved == now or source != "resume":
+            return
+        given = self.cfg.train.threads is not None or env_threads() is not None
+        if given or self.cfg.train.follow_load:
+            why = "train.follow_load" if not given else "a count given (train.threads or OMP_NUM_THREADS)"
+            self.events.emit("threads-differ", self.step, saved=saved, threads=now, why=why)
+            if self.rank == 0:
+                print(
+                    f"tenx: resuming on {now} torch threads where the run used {saved} ({why}): steps from "
+                    "here are no longer bit for bit those of an uninterrupted run",
+                    file=sys.stderr,
+                )
+            return
+        torch.set_num_threads(saved)
+        self.events.emit("threads-restored", self.step, saved=saved, chosen=now)
+        if self.rank == 0:
+            print(
+                f"tenx: resuming on the {saved} torch threads the run used (the count is part of its numerics; "
+                f"this moment's load gave {now}; --set train.threads=N to choose)",
+                file=sys.stderr,
+            )
 
     def _restore_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
         self._apply_state(

@@ -112,8 +112,9 @@ class Trainer(TrainerState):
             lambda: peak_flops(self.device, self.amp_dtype, float8=float8) * self.data_parallel,
             lambda kind, **fields: self.events.emit(kind, self.step, **fields) if self.rank == 0 else None,
         )
-        self._auto_threads = (  # a lone CPU process choosing its threads: it follows other programs' load
+        self._auto_threads = (  # a lone CPU process that chose to follow other programs' load
             self.device.type == "cpu"
+            and cfg.train.follow_load
             and cfg.train.threads is None
             and env_threads() is None
             and self.world_size == 1
@@ -220,7 +221,7 @@ class Trainer(TrainerState):
             self.optim_cfg = dataclasses.replace(self.cfg.optim, warmup_steps=plan.warmup_steps)
 
     def _follow_load(self) -> None:
-        """With auto threads on a lone CPU process, every THREADS_RECHECK_S: as many torch threads as other
+        """With train.follow_load and auto threads on a lone CPU process, every THREADS_RECHECK_S: as many torch threads as other
         programs leave CPUs free (tenx.hardware.choose_threads), so a program that starts or stops during
         the run neither halves it nor makes its threads wait on each other. Step records keep the count
         (tenx replay runs each step on it); a change is a `threads-changed` event."""
