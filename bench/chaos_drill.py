@@ -28,6 +28,7 @@ from tenx.checkpoint.interval import expected_goodput
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.data.prepare.sources import copy_stdlib_packages
 from tenx.eval.load import load_model
+from tenx.hardware import choose_threads
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, format_goodput
 from tenx.train.callbacks.faults import parse_fault
@@ -96,6 +97,11 @@ def main() -> None:
         help="steps between snapshots to the in-memory tier (checkpoint.memory_every; 0: disk tier only)",
     )
     ap.add_argument("--out", default="runs/chaos_drill")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of both runs (default: chosen once at the start from this machine's load)",
+    )
     args = ap.parse_args()
 
     out = Path(args.out)
@@ -104,6 +110,10 @@ def main() -> None:
     common += [x for item in MODEL for x in ("--set", item)]
     common += ["--set", f"train.steps={args.steps}", "--set", f"checkpoint.every={args.every}"]
     common += ["--set", f"checkpoint.memory_every={args.memory_every}"]
+    # the count orders float reductions: both runs train on one count, chosen once here (a resume inside the
+    # drill takes its checkpoint's count back in any case), so the comparison is bit for bit by construction
+    threads = args.threads or choose_threads(quiet=True)
+    common += ["--set", f"train.threads={threads}"]
     seed, kills, faults = plan_faults(args.steps, args.every, args.p, args.min_kills, args.seed)
     print(
         f"drill: {args.steps} steps, checkpoint every {args.every}; fault seed {seed}: SIGKILL at steps {kills}"
@@ -158,6 +168,7 @@ def main() -> None:
         "every": args.every,
         "memory_every": args.memory_every,
         "p": args.p,
+        "threads": threads,
         "seed": seed,
         "kills": kills_fired,
         "restarts": restarts,
