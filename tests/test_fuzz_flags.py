@@ -161,9 +161,22 @@ def _base(command: str, w: dict, n: int) -> list[str]:
 @contextlib.contextmanager
 def _stopped_at_work(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The functions where training, preparing and serving begin raise _Reached: the fuzz checks the flags,
-    not the work."""
+    not the work. Where the work has its own validation (PrepareConfig, SupervisorConfig, the child's run
+    config), a value counts as reached only once that accepts it too."""
 
     def reached(*args, **kwargs):
+        raise _Reached
+
+    def prepare_reached(cfg, *args, **kwargs):
+        cfg.validate()  # the work's own check: a value it would refuse is not "reached"
+        raise _Reached
+
+    def supervise_reached(train_args, run_dir, cfg, *args, **kwargs):
+        from tenx.train.config import load_run_config, resolve_config_path
+
+        cfg.validate()  # the supervisor's settings, and the run config its child would load
+        child = build_parser().parse_args(train_args)
+        load_run_config(resolve_config_path(child.config), child.set)
         raise _Reached
 
     import tenx.data.prepare.pipeline as pipeline
@@ -172,9 +185,9 @@ def _stopped_at_work(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import tenx.parallel.lighthouse as lighthouse
     import tenx.quickstart as quickstart
 
-    monkeypatch.setattr(pipeline, "_prepare", reached)
-    monkeypatch.setattr(supervise, "_supervise", reached)
-    monkeypatch.setattr(quickstart, "prepare", reached)
+    monkeypatch.setattr(pipeline, "_prepare", prepare_reached)
+    monkeypatch.setattr(supervise, "_supervise", supervise_reached)
+    monkeypatch.setattr(quickstart, "prepare", prepare_reached)
     monkeypatch.setattr(quickstart, "is_prepared", lambda cfg: False)
     monkeypatch.setattr(dashboard.DashboardServer, "serve_forever", reached)
     monkeypatch.setattr(lighthouse, "start_lighthouse", _checked_lighthouse(lighthouse.start_lighthouse))
@@ -259,6 +272,8 @@ def test_every_flag_once_with_the_values_in_turn(world, monkeypatch):
             outcomes[(command, flag)] = check(command, flag, VALUES[n % len(VALUES)], world, n)
     assert set(outcomes) == set(FLAGS)
     assert {VALUES[n % len(VALUES)] for n in range(len(FLAGS))} == set(VALUES)
+    reached = {command for (command, _), outcome in outcomes.items() if outcome == "reached"}
+    assert "quickstart" in reached  # through prepare_reached: the work's own validation ran on it
 
 
 @pytest.mark.slow
