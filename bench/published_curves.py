@@ -45,7 +45,13 @@ import numpy as np
 from tenx.scaling.curve import extrapolate_run, fit_curves, predict_curve, prior_from
 from tenx.scaling.curve.backtest import curve_error
 from tenx.scaling.curve.curve_laws import DEFAULT_LAW
-from tenx.scaling.curve.curve_table import CurveTable, TableRun, _Builder, read_curve_table, write_curve_table
+from tenx.scaling.curve.curve_table import (
+    CurveTable,
+    TableRun,
+    read_curve_table,
+    table_from_rows,
+    write_curve_table,
+)
 from tenx.scaling.curve.published_curves import MPL_FIT, RunInfo, gemstones, lr_scheduling, multipowerlaw
 
 LAWS = ("mpl", "tissue", "tissue-rate", "tissue-lr", "tissue-area", "power")
@@ -53,14 +59,6 @@ WINDOW = 5
 """Logged points per window (1,000 steps of lr-scheduling's validation, 640 of MultiPowerLaw's)."""
 GEMSTONES_FILE = "gemstone-scaling-laws/wandb_dfs/wandb_df_for_fitting_hot_100b+_477.jsonl"
 SELF_FRACTION = 0.3
-
-
-def as_table(rows: list[dict[str, Any]], name: str) -> CurveTable:
-    """Rows checked exactly as a curve table file's would be."""
-    builder = _Builder(name)
-    for i, row in enumerate(rows, start=1):
-        builder.add(row, i)
-    return builder.table()
 
 
 def summarise(errors: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,11 +247,11 @@ def data_law_figures(data: Path) -> dict[str, Any]:
 def run(data: Path, laws: Sequence[str], bootstrap: int, quick: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     mpl_rows, _ = multipowerlaw(data / "MultiPowerLaw")
-    mpl = as_table(mpl_rows, "MultiPowerLaw")
+    mpl = table_from_rows(mpl_rows, "MultiPowerLaw")
     lrs_rows, infos = lr_scheduling(data / "lr-scheduling")
-    lrs = as_table(lrs_rows, "lr-scheduling")
+    lrs = table_from_rows(lrs_rows, "lr-scheduling")
     gem_path = data / GEMSTONES_FILE
-    gems = as_table(gemstones(gem_path)[0], "gemstones") if gem_path.exists() else None
+    gems = table_from_rows(gemstones(gem_path)[0], "gemstones") if gem_path.exists() else None
     tasks: dict[str, dict[str, Any]] = defaultdict(dict)
     details: dict[str, dict[str, Any]] = defaultdict(dict)
     coverage: dict[str, float] = {}

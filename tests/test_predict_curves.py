@@ -20,6 +20,8 @@ from tenx.scaling.curve import fit_curves, shape_prior
 from tenx.scaling.curve.curve_table import (
     curve_regime_warnings,
     read_curve_table,
+    rows_of,
+    table_from_rows,
     write_curve_table,
 )
 from tenx.scaling.curve.published_curves import MPL_FIT, gemstones, lr_scheduling, multipowerlaw
@@ -104,7 +106,7 @@ def test_regime_warnings_name_the_run_and_stay_quiet_on_healthy_runs(tmp_path):
 def test_a_starved_target_gets_a_warning_on_the_command_line(tmp_path, capsys):
     table = read_curve_table(TARGET)
     run = next(r for r in table.runs if r.run.endswith("wsdld_20000_24000"))
-    rows = [{**row, "tokens_per_step": 1000.0, "loss": None} for row in _table_rows(run)]  # ~1 token/param
+    rows = [{**row, "tokens_per_step": 1000.0, "loss": None} for row in rows_of(run)]  # ~1 token/param
     target = write_curve_table(tmp_path / "starved.csv", rows)
     argv = ["predict", "--curves", str(FIT), "--target", str(target), "--out", str(tmp_path / "o")]
     assert main([*argv, "--bootstrap", "0"]) == 0
@@ -116,14 +118,6 @@ def test_a_starved_target_gets_a_warning_on_the_command_line(tmp_path, capsys):
     argv = ["predict", "--curves", str(FIT), "--target", str(big), "--out", str(tmp_path / "o2")]
     assert main([*argv, "--bootstrap", "0"]) == 2
     assert "cannot predict a model of 2.5e+10" in capsys.readouterr().err
-
-
-def _table_rows(run):
-    return [
-        {"run": run.run, "params": run.params, "tokens_per_step": run.tokens_per_step, "step": int(s), "lr": float(lr),
-         "loss": float(v), "split": run.split}
-        for s, lr, v in zip(run.steps, run.lr, run.loss)
-    ]  # fmt: skip
 
 
 def test_published_readers_on_the_committed_subset_and_real_layouts(tmp_path):
@@ -221,7 +215,7 @@ def test_the_bench_measures_the_papers_split_on_the_subset():
     finally:
         sys.path.pop(0)
     rows, _ = multipowerlaw(PUBLISHED / "MultiPowerLaw")
-    errors = bench.task_mpl_split(bench.as_table(rows, "subset"), "tissue-rate", bootstrap=0)
+    errors = bench.task_mpl_split(table_from_rows(rows, "subset"), "tissue-rate", bootstrap=0)
     s = bench.summarise(errors)
     assert s["runs"] == 6 and s["mean"] < 0.003 and s["worst_window"] < 0.01  # measured 0.10%, 0.51%
     assert s["worst_mean"] <= s["worst_window"] and s["worst_final"] <= s["worst_window"]

@@ -90,11 +90,13 @@ def plot_curve_predictions(
 
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    named = len(curves) <= 8  # a legend of many runs would hide the curves
     lows, highs = [], []
     for i, c in enumerate(curves):
         color = colors[i % len(colors)]
         ax.fill_between(c["steps"], c["lower"], c["upper"], alpha=0.18, color=color, lw=0)
-        ax.plot(c["steps"], c["loss"], lw=1.3, color=color, label=f"{c['name']} (predicted)")
+        label = f"{c['name']} (predicted)" if named else ("predicted (lines, 95% bands)" if i == 0 else None)
+        ax.plot(c["steps"], c["loss"], lw=1.3, color=color, label=label)
         obs_steps, obs = c.get("observed_steps"), c.get("observed")
         if obs_steps is not None and obs is not None:
             pairs = [(s, v) for s, v in zip(obs_steps, obs) if math.isfinite(v)]
@@ -107,18 +109,11 @@ def plot_curve_predictions(
         lo, hi = min(lows), max(highs)
         ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.1 * (hi - lo))
     ax.set_xscale("log")
-    if len(curves) > 8:  # a legend of many runs hides the curves: name the points instead
-        ax.plot([], [], "o", ms=2.2, color="gray", label="observed")
-        handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles[-1:], ["observed (points); predicted (lines, 95% bands)"])
-        return _save(fig, ax, "step", ylabel, title, out_png, legend=False)
     ax.plot([], [], "o", ms=2.2, color="gray", label="observed")
     return _save(fig, ax, "step", ylabel, title, out_png)
 
 
-def _save(
-    fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path, legend: bool = True
-) -> Path:
+def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path) -> Path:
     """Label, grid and legend the axes, write the figure as a PNG and close it."""
     import matplotlib.pyplot as plt
 
@@ -126,8 +121,7 @@ def _save(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if legend:
-        ax.legend(fontsize="small")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     atomic_write_png(out_png, fig)

@@ -124,10 +124,7 @@ def predict_from_ladder(
             f"{ladder_dir}: not a ladder directory (no runs/ folder); run `tenx ladder --out {ladder_dir}` first"
         )
     curves = ladder_curves(runs, quantity)
-    prior, said = None, {}
-    if prior_curves is not None:
-        published, said = _curves_prior(prior_curves, law)
-        prior = shape_prior(published)
+    prior, said = _curves_prior(prior_curves, law) if prior_curves is not None else (None, {})
     fit = fit_curves(curves, law, bootstrap=bootstrap, prior=prior)
     tps = tokens_per_step(cfg.train, cfg.model.seq_len, world_size)
     steps = total_steps(cfg.train, tps)
@@ -184,10 +181,7 @@ def predict_from_run(
         raise ConfigError(f"--quantity: {quantity!r} is not one of {', '.join(QUANTITIES)} for --run")
     curve = curve_from_run(run_dir, quantity=quantity)
     steps_so_far = int(curve.steps.max()) if len(curve.steps) else 0
-    prior, said = None, {}
-    if prior_curves is not None:
-        published, said = _curves_prior(prior_curves, law)
-        prior = shape_prior(published)
+    prior, said = _curves_prior(prior_curves, law) if prior_curves is not None else (None, {})
     cp, fit = extrapolate_run(curve, law, bootstrap=bootstrap, prior=prior)
     source = {"kind": "self", "run_dir": str(run_dir), "upto_step": steps_so_far, **said}
     target = {"steps": curve.schedule.steps, "tokens_per_step": curve.config.get("tokens_per_step")}
@@ -207,13 +201,19 @@ def curve_fit_of(
     return fit_curves(curves, law, bootstrap=bootstrap), runs
 
 
-def _curves_prior(curves_path: str | Path, law: str) -> tuple[Any, dict[str, Any]]:
-    """A fit of `law` to a curve table's runs, to be a prior on a law's shape, and what to say about it."""
+def _curves_prior(curves_path: str | Path, law: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The soft prior on `law`'s unit-free shape from a fit to a curve table's runs (shape_prior), and what
+    the prediction's source says about it."""
     from tenx.scaling.curve.curve_table import read_curve_table
 
-    table = read_curve_table(curves_path)
-    fit, _ = curve_fit_of(table, law=law, bootstrap=0)
-    return fit, {"prior": f"shape of {law} fitted to {len(fit.curves)} runs of {curves_path}"}
+    fit, _ = curve_fit_of(read_curve_table(curves_path), law=law, bootstrap=0)
+    return shape_prior(fit), {"prior": f"shape of {law} fitted to {len(fit.curves)} runs of {curves_path}"}
+
+
+def check_bootstrap(bootstrap: int) -> None:
+    """--bootstrap within 0..MAX_BOOTSTRAP, or a ConfigError."""
+    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
+        raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
 
 
 def write_outputs(
@@ -311,8 +311,7 @@ def run_predict(
     only with `force`, and a run directory's own prediction.json never (check_out_dir)."""
     from tenx.train.config import load_run_config, resolve_config_path
 
-    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
-        raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
+    check_bootstrap(bootstrap)
     if (ladder_dir is None) == (run_dir is None):
         raise ConfigError(
             "tenx predict: give either --from LADDER_DIR (with --config), --run RUN_DIR, or --curves FIT "

@@ -15,12 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from tenx.errors import ConfigError, TenxError
+from tenx.errors import TenxError
 from tenx.monitor.loss_plot import plot_curve_predictions
 from tenx.monitor.prediction_file import Prediction, write_prediction
 from tenx.scaling.curve import DEFAULT_LAW, CurvePrediction, predict_curve
 from tenx.scaling.curve.curve_table import curve_regime_warnings, read_curve_table
-from tenx.scaling.predict import PREDICTION, PREDICTION_PNG, _to_prediction, check_out_dir, curve_fit_of
+from tenx.scaling.predict import (
+    PREDICTION,
+    PREDICTION_PNG,
+    _to_prediction,
+    check_bootstrap,
+    check_out_dir,
+    curve_fit_of,
+)
 from tenx.utils.io import atomic_write_text, check_output_file
 
 PREDICTION_CSV = "prediction.csv"
@@ -40,7 +47,7 @@ def predict_from_curves(
     regime warnings of both tables)."""
     split = fit_table.pick_split(split)
     fit, fit_runs = curve_fit_of(fit_table, law=law, bootstrap=bootstrap, split=split)
-    targets = target_table.select(target_table.pick_split(None) if split is None else split)
+    targets = target_table.select(split)
     largest = max(fit.sizes)
     out = []
     for run in targets:
@@ -110,6 +117,26 @@ def observed_errors(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
+def run_files(out_dir: Path, names: list[str], force: bool) -> list[Path]:
+    """DIR/runs/NAME/prediction.json of each run, NAME its name made safe for a path (a second run whose
+    name makes the same one gets a numbered suffix); an existing file only with `force`."""
+    paths, taken = [], set()
+    for name in names:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name).lstrip(".") or "run"
+        unique, n = safe, 1
+        while unique in taken:
+            n += 1
+            unique = f"{safe}-{n}"
+        taken.add(unique)
+        path = out_dir / "runs" / unique / PREDICTION
+        try:
+            check_output_file(path, force=force)
+        except TenxError as e:
+            raise TenxError(f"-o {out_dir}: {e}") from None
+        paths.append(path)
+    return paths
+
+
 def run_predict_table(
     curves: str | Path,
     target: str | Path,
@@ -122,11 +149,7 @@ def run_predict_table(
     """`tenx predict --curves FIT --target TARGET --out DIR`: fit, predict, write the three files, and return
     {"prediction" (the first run's), "paths", "text", "warnings"}. Existing outputs are replaced only with
     `force`; neither table is ever an output."""
-    from tenx.scaling.predict import MAX_BOOTSTRAP
-
-    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
-        raise ConfigError(f"--bootstrap: must be >= 0 and at most {MAX_BOOTSTRAP}, got {bootstrap}")
-
+    check_bootstrap(bootstrap)
     out_dir = check_out_dir(out, None, force)
     try:
         check_output_file(out_dir / PREDICTION_CSV, force=force, inputs=(curves, target))
@@ -136,15 +159,17 @@ def run_predict_table(
     results, fit, warnings = predict_from_curves(
         fit_table, target_table, law=law, bootstrap=bootstrap, split=split
     )
+    # prediction.json holds the first run; with several, each run's is under runs/NAME/ as well
+    per_run = run_files(out_dir, [run.run for run, _, _ in results], force) if len(results) > 1 else []
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for run, _, cp in results for row in target_rows(run, cp)]
-    paths: dict[str, Path] = {"csv": write_prediction_csv(out_dir / PREDICTION_CSV, rows)}
+    rows_by_run = [target_rows(run, cp) for run, _, cp in results]
+    paths: dict[str, Path] = {
+        "csv": write_prediction_csv(out_dir / PREDICTION_CSV, [r for rows in rows_by_run for r in rows])
+    }
     paths["prediction"] = write_prediction(out_dir / PREDICTION, results[0][1])
-    if len(results) > 1:  # prediction.json holds the first run; each run's is under runs/
-        for run, prediction, _ in results:
-            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run.run).lstrip(".")
-            (out_dir / "runs" / safe).mkdir(parents=True, exist_ok=True)
-            write_prediction(out_dir / "runs" / safe / PREDICTION, prediction)
+    for path, (_, prediction, _) in zip(per_run, results):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_prediction(path, prediction)
     plotted = [
         {
             "name": run.run,
@@ -168,9 +193,9 @@ def run_predict_table(
         f"fitted {law} ({fit.size_law} sizes) to {len(fit.curves)} runs of {curves}; predicted "
         f"{len(results)} run(s) of {target}:"
     )
-    for run, prediction, cp in results:
+    for (run, prediction, _), rows in zip(results, rows_by_run):
         f = prediction.final
-        errors = observed_errors(target_rows(run, cp))
+        errors = observed_errors(rows)
         seen = (
             f"; observed rows: mean error {100 * errors['mean']:.2f}%, worst {100 * errors['worst']:.2f}%, "
             f"{100 * errors['coverage']:.0f}% inside the band"

@@ -33,6 +33,7 @@ import numpy as np
 
 from tenx.errors import ConfigError, DataError
 from tenx.scaling.curve.schedule import MAX_STEPS, Curve, Schedule
+from tenx.scaling.fit.data_law_check import MIN_TOKENS_PER_PARAM, RISE_TOLERANCE
 from tenx.utils.io import atomic_write_text, jsonl_records
 
 REQUIRED = ("run", "params", "tokens_per_step", "step", "lr", "loss")
@@ -89,9 +90,6 @@ class TableRun:
     def tokens(self) -> float:
         """Tokens trained by the run's last row."""
         return self.last_step * self.tokens_per_step
-
-    def where(self) -> str:
-        return f"{self.path}: run {self.run!r} ({self.split}, lines {self.lines[0]}-{self.lines[-1]})"
 
     def schedule(self, last_step: int | None = None) -> Schedule:
         """Every step's learning rate from 1 to `last_step` (default the run's last row): linear between
@@ -407,21 +405,25 @@ def format_rows(rows: Iterable[dict[str, Any]], fmt: str) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def table_from_rows(rows: Iterable[dict[str, Any]], source: str, first_line: int = 1) -> CurveTable:
+    """Rows (dicts of COLUMNS; a NaN or None loss is a step to predict) checked exactly as a table file's
+    lines are, numbered from `first_line` in messages that name `source`."""
+    builder = _Builder(source)
+    for i, row in enumerate(rows):
+        loss = row.get("loss")
+        checked = dict(row, loss=None if isinstance(loss, float) and math.isnan(loss) else loss)
+        builder.add(checked, first_line + i)
+    return builder.table()
+
+
 def write_curve_table(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
     """Write rows as a curve table (format from the suffix), atomically, once they pass the reader's checks
     (a bad row is a DataError naming the line it would have had, and nothing is written)."""
     p = Path(path)
     fmt = table_format(p)
     rows = list(rows)
-    text = format_rows(rows, fmt)
-    builder = _Builder(str(p))
-    first_line = 2 if fmt == "csv" else 1  # a CSV table's first line is its header
-    for i, row in enumerate(rows):
-        loss = row.get("loss")
-        checked = dict(row, loss=None if isinstance(loss, float) and math.isnan(loss) else loss)
-        builder.add(checked, first_line + i)
-    builder.table()
-    atomic_write_text(p, text)
+    table_from_rows(rows, str(p), first_line=2 if fmt == "csv" else 1)  # a CSV table's line 1 is its header
+    atomic_write_text(p, format_rows(rows, fmt))
     return p
 
 
@@ -443,18 +445,11 @@ def rows_of(run: TableRun) -> list[dict[str, Any]]:
     ]
 
 
-MIN_TOKENS_PER_PARAM = 5.0
-"""Below this many training tokens per parameter a run is far from every regime the curve laws were made
-for (and published curves cover): most of its curve is the early, fast fall."""
-RISE_TOLERANCE = 0.01
-"""A curve whose loss, once the learning rate stops rising, ends this far (relative) above its lowest point
-rises again: overfitting repeated data, or an instability, which no curve law describes."""
-
-
 def curve_regime_warnings(runs: Sequence[TableRun], role: str = "") -> list[str]:
     """Warnings for runs in regimes the curve laws cannot describe, each naming the run: fewer than
     MIN_TOKENS_PER_PARAM tokens per parameter, data repeated (unique_tokens below the tokens trained), a
-    loss that rises again by more than RISE_TOLERANCE after its lowest point."""
+    loss that rises again by more than RISE_TOLERANCE after its lowest point (the limits the data-constrained
+    law's warnings use, tenx.scaling.fit.data_law_check)."""
     out = []
     what = f"{role} run" if role else "run"
     for r in runs:
