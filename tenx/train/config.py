@@ -33,7 +33,8 @@ def resolve_config_path(name: str) -> Path:
         if path.is_file() or path.suffix == ".toml":
             return path
     except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
-        raise TenxError(f"config {name[:80]!r}: cannot be used as a path ({e.strerror or e})") from None
+        why = getattr(e, "strerror", None) or e  # a ValueError has no strerror
+        raise TenxError(f"config {name!r}: cannot be used as a path ({why})") from None  # the whole path
     shipped = CONFIG_DIR / f"{name}.toml"
     if shipped.exists():
         return shipped
