@@ -124,13 +124,17 @@ class BPETokenizer(Tokenizer):
 
     def token_bytes(self) -> list[bytes]:
         """Each token's bytes, read back from its byte-level form (GPT-2's bytes-to-unicode alphabet);
-        special tokens (the end-of-document token) are no bytes."""
+        special tokens (the end-of-document token) are no bytes, and an added token that is not special is
+        the bytes it decodes to."""
         decoder = _byte_level_decoder()
-        special = {t.content for t in self._hf.get_added_tokens_decoder().values()}
+        added = self._hf.get_added_tokens_decoder()
+        special = {t.content for t in added.values() if t.special}
         out = []
         for i in range(self.vocab_size):
             token = self._hf.id_to_token(i)
-            if token is None or token in special or any(ch not in decoder for ch in token):
+            if i in added and not added[i].special:  # added text: the bytes it decodes to, as a stream's
+                out.append(self._hf.decode([i], skip_special_tokens=False).encode("utf-8"))
+            elif token is None or token in special or any(ch not in decoder for ch in token):
                 out.append(b"" if token is None or token in special else token.encode("utf-8"))
             else:
                 out.append(bytes(decoder[ch] for ch in token))
@@ -253,6 +257,17 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
         hf = HFTokenizer.from_str(path.read_bytes().decode("utf-8"))
     except Exception as e:  # OSError, UnicodeDecodeError, or the plain Exception `tokenizers` raises
         raise DataError(f"{path} is not a Hugging Face tokenizer ({_first_line(e)})") from None
+    kind = type(hf.model).__name__
+    if kind != "BPE":
+        raise DataError(
+            f"{path}: model.type={kind}: tenx imports byte-level BPE tokenizers only (GPT-2's, Qwen's, a tenx "
+            f"export's), whose tokens stand for bytes; a {kind} tokenizer's do not"
+        )
+    if hf.get_vocab_size() < MIN_BPE_VOCAB:
+        raise DataError(
+            f"{path}: a vocabulary of {hf.get_vocab_size()} tokens; a byte-level BPE has at least "
+            f"{MIN_BPE_VOCAB} (the 256 bytes and {EOT_TEXT!r})"
+        )
     if hf.token_to_id(EOT_TEXT) is None:
         raise DataError(
             f"{path} has no {EOT_TEXT!r} token, which tenx puts between documents; tenx imports tokenizers "
@@ -262,6 +277,41 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
         # special, as in tenx's own BPE (it stands for no bytes); its id stays the vocabulary's
         hf.add_special_tokens([EOT_TEXT])
     return BPETokenizer(hf)
+
+
+ROUND_TRIP_SAMPLE_BYTES = 4 << 20
+"""How much text check_round_trip is given: a corpus or an evaluated dataset at most this large is checked
+whole, a larger one on documents spread evenly over it."""
+
+
+def round_trip_sample(sizes: Sequence[int], budget: int = ROUND_TRIP_SAMPLE_BYTES) -> list[int]:
+    """The positions of the documents (of byte sizes `sizes`) that check_round_trip checks: every one when
+    they fit `budget`, else every k-th, k chosen so that about `budget` bytes are checked."""
+    total = int(sum(int(n) for n in sizes))
+    return list(range(0, len(sizes), max(1, -(-total // budget))))
+
+
+def check_round_trip(
+    tokenizer: Tokenizer, documents: Iterable[tuple[str, str, Sequence[int] | None]], where: str
+) -> None:
+    """DataError unless decoding each document's tokens gives back its text, naming the first document that
+    differs, the byte offset, and the bytes expected and got there. `documents`: (name, text, its ids or
+    None to encode it here). Bits per byte, the prequential byte count and compression all count the bytes
+    the tokens decode to: a tokenizer whose normalizer changes the text (lowercase, NFKC, a replacement)
+    would give figures about another text."""
+    for name, text, ids in documents:
+        back = tokenizer.decode(tokenizer.encode(text) if ids is None else ids)
+        if back == text:
+            continue
+        want = text.encode("utf-8", "surrogatepass")
+        got = back.encode("utf-8", "surrogatepass")
+        at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise DataError(
+            f"{where}: the tokenizer does not give back the text it encodes: {name}, byte {at:,}: expected "
+            f"{want[at : at + 16]!r}, got {got[at : at + 16]!r}; tenx's bits per byte count the bytes the "
+            "tokens decode to, so a tokenizer that changes the text (a lowercasing, NFKC or replacing "
+            "normalizer) would score another text: use one whose decode(encode(text)) is the text"
+        )
 
 
 def _first_line(error: Exception) -> str:

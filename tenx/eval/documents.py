@@ -23,7 +23,7 @@ from tenx.data.codebase import CODEBASE_SKIP_REASONS, Codebase, language_of
 from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
 from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
-from tenx.data.tokenizer import Tokenizer
+from tenx.data.tokenizer import Tokenizer, check_round_trip, round_trip_sample
 from tenx.errors import DataError
 from tenx.eval.bpb import summarize, token_nll
 from tenx.model.transformer import Transformer
@@ -74,6 +74,7 @@ def source_documents(spec: str, tokenizer: Tokenizer) -> list[Document]:
     if not texts:
         raise DataError(f"{spec}: no text documents to evaluate")
     encoded = tokenizer.encode_batch(texts)
+    check_texts(tokenizer, names, texts, encoded, spec)
     return [
         Document(name, np.asarray(ids, dtype=np.int64), len(text.encode("utf-8")))
         for name, ids, text in zip(names, encoded, texts)
@@ -90,10 +91,23 @@ def codebase_documents(codebase: Codebase, tokenizer: Tokenizer) -> list[Documen
             "; check --include/--exclude/--max-file-bytes and the .gitignore files"
         )
     encoded = tokenizer.encode_batch([f.text for f in codebase.files])
+    names, texts = [f.path for f in codebase.files], [f.text for f in codebase.files]
+    check_texts(tokenizer, names, texts, encoded, str(codebase.root))
     return [
         Document(f.path, np.asarray(ids, dtype=np.int64), f.num_bytes)
         for f, ids in zip(codebase.files, encoded)
     ]
+
+
+def check_texts(
+    tokenizer: Tokenizer, names: list[str], texts: list[str], encoded: list[list[int]] | None, where: str
+) -> None:
+    """Refuse to score a dataset whose text the tokenizer does not give back (its bits per byte would be
+    another text's), checked on documents spread over it (tenx.data.tokenizer.check_round_trip)."""
+    chosen = round_trip_sample([len(text) for text in texts])
+    check_round_trip(
+        tokenizer, ((names[i], texts[i], encoded[i] if encoded else None) for i in chosen), where
+    )
 
 
 def document_nll(

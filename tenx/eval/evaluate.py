@@ -14,6 +14,7 @@ from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.adaptive import AdaptConfig, adaptive_report
 from tenx.eval.bpb import combine, eval_split, eval_texts
+from tenx.eval.documents import check_texts
 from tenx.eval.load import load_model
 from tenx.hardware import resolve_precision
 from tenx.utils.io import atomic_write_json
@@ -122,6 +123,7 @@ def evaluate(
             )
         else:
             texts = read_texts(name)
+            check_texts(tokenizer, [f"document {i}" for i in range(len(texts))], texts, None, name)
             results[name] = eval_texts(
                 loaded.model, texts, tokenizer, batch_size, stride=stride, amp_dtype=amp_dtype
             )

@@ -269,6 +269,8 @@ def _prepare(
             f"no documents of {cfg.source!r} landed in the train split ({stats['documents_kept']} kept after "
             "cleaning); add documents or lower val_ratio/heldout_ratio"
         )
+    if cfg.tokenizer_from:  # before anything of an earlier preparation is removed
+        _check_imported_tokenizer(cfg, rows, ids)
     previous = _listed_files(out)  # only files an earlier manifest listed may be removed as stale
     # Drop any previous manifest first: shards are rewritten in place, and no manifest may point at them meanwhile.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
@@ -429,6 +431,17 @@ def _prepare_settings(cfg: PrepareConfig) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def _check_imported_tokenizer(cfg: PrepareConfig, rows: np.ndarray, ids: list[str]) -> None:
+    """Refuse a `--tokenizer-from` tokenizer that does not give back the corpus's text (a normalizer that
+    lowercases, say), checked on documents spread over the corpus (tenx.data.tokenizer.check_round_trip)."""
+    from tenx.data.tokenizer import check_round_trip, load_hf_tokenizer, round_trip_sample
+
+    chosen = sorted(round_trip_sample(rows["num_bytes"].tolist()), key=lambda i: int(rows["seq"][i]))
+    names = [ids[i] for i in chosen]  # zip stops at the last one: the source is read no further
+    sample = zip(names, texts(cfg, rows["seq"][chosen], False), itertools.repeat(None))
+    check_round_trip(load_hf_tokenizer(cfg.tokenizer_from), sample, f"--tokenizer-from {cfg.tokenizer_from}")
 
 
 def _build_tokenizer(
