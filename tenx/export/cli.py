@@ -10,9 +10,10 @@ from tenx.utils.cli import subcommand
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export the run's checkpoint; print what was written."""
-    from tenx.export.hf import export_hf, format_export_summary
+    from tenx.export.hf import export_hf, format_export_summary, quiet_library_logs
 
-    summary = export_hf(args.target, args.out, checkpoint=args.checkpoint)
+    with quiet_library_logs():
+        summary = export_hf(args.target, args.out, checkpoint=args.checkpoint)
     print(format_export_summary(summary))
 
 

@@ -18,9 +18,12 @@ previous tenx export (marked by `tenx_export.json`) holding nothing but what tha
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -317,6 +320,26 @@ def _import_transformers() -> Any:
             f"tenx export --format hf needs the transformers package, which is not installed: {INSTALL_HINT}"
         ) from None
     return transformers
+
+
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Libraries that transformers imports as it loads a model class and that log warnings about themselves
+(torchao: kernels built for another Python; torch: a deprecated registration torchao makes), not the export."""
+
+
+@contextlib.contextmanager
+def quiet_library_logs() -> Iterator[None]:
+    """Hold QUIET_LOGGERS' warnings back (errors still show) while `tenx export` runs, so that its summary
+    is all it prints."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _progress_bars_off(transformers: Any) -> Any:
