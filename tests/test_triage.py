@@ -16,11 +16,12 @@ from tenx.train.callbacks.faults import parse_fault
 from tenx.train.callbacks.opbug import OpBug, longest_runs
 from tenx.train.callbacks.record import read_steps, step_digest
 from tenx.train.run import train
-from tenx.triage.bisect import bisect_step, run_repro
+from tenx.triage.bisect import bisect_step
 from tenx.triage.classify import format_causes, triage
 from tenx.triage.incident_store import list_incidents
 from tenx.triage.outcome import outcome_of_crash
 from tenx.triage.replay import replay
+from tenx.triage.repro import run_repro
 
 BASE = ("train.steps=12", "checkpoint.every=5", "train.eval_every=0", "train.threads=1")
 

@@ -7,6 +7,13 @@ After `max_bad_steps` bad steps in a row the trainer rolls back to the newest ve
 the first of them and skips the data those steps read. The guard's state is part of every checkpoint,
 so its decisions are the same in a resumed run.
 
+A loss that climbs without spiking (each step a little above the last, as when a kernel returns gradients
+pointing the wrong way) never trips the spike test, whose window climbs with it. So the guard also watches
+the loss's level: once the mean of the last `min_history` good steps reaches `rise_ratio` times the lowest
+level seen (the first step's loss, or the lowest such mean since), the trainer records a `loss-rise` event,
+which `tenx triage` takes as an incident; it is raised again only after the level has come back down
+(below the square root of the ratio). The update is not skipped: the loss is what the model computes.
+
 Gradient-norm spikes are off by default (`grad_norm_sigma = 0`): on the quickstart run, excursions of
 the gradient norm beyond 6 standard deviations of a 100-step window happened 11 times in 2,000 healthy
 steps (clipping handles them), while the loss had none beyond 4.
@@ -37,6 +44,9 @@ class GuardConfig:
     grad_norm_sigma: float = field(0.0, ge=0, help="the same for the gradient norm (0: off, the default)")
     max_bad_steps: int = field(3, ge=1, help="consecutive bad steps that trigger a rollback")
     max_rollbacks: int = field(5, ge=0, help="rollbacks in one process before the run stops with an error")
+    rise_ratio: float = field(
+        1.5, ge=0, help="a mean loss this many times its lowest level so far is a loss-rise incident (0: off)"
+    )
 
     def validate(self) -> None:
         """Check that the history fits the window; names the offending field."""
@@ -52,6 +62,9 @@ class StepGuard:
         self.losses: deque[float] = deque(maxlen=cfg.window)
         self.grad_norms: deque[float] = deque(maxlen=cfg.window)
         self.streak: list[dict[str, Any]] = []
+        self.lowest: float | None = None
+        """The lowest loss level seen: the first good step's loss, then the lowest mean of `min_history`."""
+        self.risen = False
 
     def check(self, loss: float, grad_norm: float) -> str | None:
         """The reason the step is bad ('nonfinite-loss', 'loss-spike', ...), or None when it is good."""
@@ -80,6 +93,30 @@ class StepGuard:
         self.grad_norms.append(grad_norm)
         self.streak.clear()
 
+    def rise(self) -> dict[str, float] | None:
+        """After a good step: the loss level, the lowest level and their ratio when the level has just reached
+        `rise_ratio` times the lowest (once per rise, see the module doc); else None."""
+        if not self.cfg.enabled or not self.losses:
+            return None
+        if self.lowest is None:
+            self.lowest = self.losses[-1]
+        if len(self.losses) < self.cfg.min_history:
+            return None
+        level = statistics.fmean(list(self.losses)[-self.cfg.min_history :])
+        if not math.isfinite(level):
+            return None
+        self.lowest = min(self.lowest, level)
+        if self.cfg.rise_ratio <= 0 or self.lowest <= 0:
+            return None
+        ratio = level / self.lowest
+        if self.risen:
+            self.risen = ratio >= math.sqrt(self.cfg.rise_ratio)
+            return None
+        if ratio < self.cfg.rise_ratio:
+            return None
+        self.risen = True
+        return {"level": level, "lowest": self.lowest, "ratio": ratio}
+
     def record_bad(self, info: dict[str, Any]) -> bool:
         """Add a bad step (its step number and data positions); True when a rollback is due."""
         self.streak.append(info)
@@ -87,13 +124,22 @@ class StepGuard:
 
     def state_dict(self) -> dict[str, Any]:
         """Window contents and the current streak (plain floats: JSON keeps them exactly)."""
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms), "streak": list(self.streak)}
+        return {
+            "losses": list(self.losses),
+            "grad_norms": list(self.grad_norms),
+            "streak": list(self.streak),
+            "lowest": self.lowest,
+            "risen": self.risen,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         self.losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.cfg.window)
         self.grad_norms = deque((float(x) for x in state.get("grad_norms", [])), maxlen=self.cfg.window)
         self.streak = list(state.get("streak", []))
+        lowest = state.get("lowest")
+        self.lowest = float(lowest) if isinstance(lowest, (int, float)) else None
+        self.risen = bool(state.get("risen", False))
 
 
 def _spike(value: float, window: deque[float], sigma: float, min_history: int) -> bool:

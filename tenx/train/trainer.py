@@ -205,6 +205,8 @@ class Trainer(TrainerState):
         if verdict is not None:
             metrics["skipped"] = verdict
             self._bad_step(verdict, loss_value, grad_norm, position, windows)
+        elif result.applied and (rise := self.guard.rise()) is not None:
+            self.events.emit("loss-rise", self.step, **rise, data=self.loader.describe_windows(windows))
         if self.ledger is not None:
             self.ledger.step(self.step, dt, skipped=verdict is not None)
         return metrics

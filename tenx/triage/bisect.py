@@ -25,7 +25,6 @@ exists in exact arithmetic too (an ML or data cause) or only on the fast path (a
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import traceback
@@ -38,13 +37,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from tenx.errors import TenxError
 from tenx.hardware import float64_device
-from tenx.rundir import REPRO_INPUTS, REPRO_META, REPRO_SCRIPT
 from tenx.train.callbacks.record import frame_name
 from tenx.triage.outcome import StepOutcome
 from tenx.triage.replay import Replayer
-from tenx.utils.io import atomic_write_text
+from tenx.triage.repro import in_backward, write_repro
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 """Norm-wise relative error of one operator's output against float64 beyond which it is faulty."""
@@ -142,7 +139,7 @@ class BisectReport:
         return "\n".join(lines)
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
     return f"aten.{func._schema.name.split('::')[-1]}" + (
         f".{func._overloadname}" if func._overloadname != "default" else ""
     )
@@ -314,7 +311,7 @@ class OpChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = _op_name(func)
+        name = op_name(func)
         check = self.first is None and name not in _SKIP and not func.is_view and not func._schema.is_mutable
         saved = (
             tree_map(lambda x: x.detach().clone() if torch.is_tensor(x) else x, (args, kwargs))
@@ -439,7 +436,7 @@ def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = No
             value = int(part.reshape(-1)[0])
             prop.update(kind="identical-run", argument=i, name=_arg_name(func, i), value=value)
             prop["text"] = (
-                f"a run of {hi - lo} identical values ({value}) in `{prop['name']}` of {_op_name(func)}; a "
+                f"a run of {hi - lo} identical values ({value}) in `{prop['name']}` of {op_name(func)}; a "
                 "shorter run does not trigger it"
             )
             break
@@ -454,76 +451,6 @@ def data_property(func: Any, args: tuple, kwargs: dict, seq_len: int | None = No
     if seq_len:
         prop["positions"] = [divmod(lo, seq_len), divmod(hi - 1, seq_len)]
     return prop
-
-
-REPRO_SOURCE = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
-
-Runs the operator on its recorded inputs as the run did (with the library as the run had it) and on the
-same inputs in float64, and prints how they differ. Exit status 1: it still misbehaves.
-"""
-
-import sys
-from pathlib import Path
-
-from tenx.triage.bisect import run_repro
-
-sys.exit(run_repro(Path(__file__).parent))
-'''
-
-
-def write_repro(
-    out_dir: Path, func: Any, args: tuple, kwargs: dict, op_bugs: list[str], run_dir: str
-) -> Path:
-    """Write the operator's tensor inputs (safetensors), its other arguments (JSON) and a script."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors, spec = {}, []
-    for i, a in enumerate(args):
-        if torch.is_tensor(a):
-            tensors[f"arg{i}"] = a.detach().contiguous().cpu()
-            spec.append({"tensor": f"arg{i}"})
-        else:
-            spec.append({"value": a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)})
-    staged = out_dir / f".{REPRO_INPUTS}.tmp"
-    save_file(tensors, str(staged))
-    staged.replace(out_dir / REPRO_INPUTS)
-    meta = {
-        "op": _op_name(func),
-        "args": spec,
-        "kwargs": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str, type(None)))},
-        "op_bugs": op_bugs,
-        "run_dir": run_dir,
-    }
-    atomic_write_text(out_dir / REPRO_META, json.dumps(meta, indent=1))
-    atomic_write_text(out_dir / REPRO_SCRIPT, REPRO_SOURCE)
-    return out_dir / REPRO_SCRIPT
-
-
-def run_repro(folder: Path) -> int:
-    """Body of repro.py: 1 when the operator still misbehaves on its inputs, else 0."""
-    import contextlib
-
-    from safetensors.torch import load_file
-
-    from tenx.train.callbacks.faults import parse_fault
-    from tenx.train.callbacks.opbug import OpBug
-
-    meta = json.loads((folder / REPRO_META).read_text())
-    name = str(meta["op"])
-    parts = name.split(".")
-    if len(parts) not in (2, 3) or parts[0] != "aten" or not all(p.isidentifier() for p in parts):
-        raise TenxError(f"{folder / REPRO_META}: op {name!r} is not an aten operator name")
-    packet = getattr(torch.ops.aten, parts[1])
-    func = getattr(packet, parts[2] if len(parts) == 3 else "default")
-    tensors = load_file(str(folder / REPRO_INPUTS))
-    args = tuple(tensors[a["tensor"]] if "tensor" in a else a.get("value") for a in meta["args"])
-    with contextlib.ExitStack() as stack:
-        for text in meta.get("op_bugs", []):
-            stack.enter_context(OpBug(parse_fault(text).run))
-        problem = misbehaves(func, args, dict(meta.get("kwargs", {})))
-    print(f"{name} on {folder / REPRO_INPUTS}: " + (problem or "agrees with float64"))
-    return 1 if problem else 0
 
 
 def bisect_step(
@@ -552,13 +479,14 @@ def bisect_step(
     if checker.first is not None and checker.first_call is not None:
         func, args, kwargs = checker.first_call
         with replayer.library():
-            checker.first.property = data_property(func, args, kwargs, replayer.seq_len)
+            find = lambda: data_property(func, args, kwargs, replayer.seq_len)  # noqa: E731
+            checker.first.property = in_backward(find) if checker.first.phase == "backward" else find()
         prop = checker.first.property
         if prop is not None:  # the smallest slice that still misbehaves is the reproduction (kilobytes)
             args = slice_inputs(args, int(prop["start"]), int(prop["end"]))
         if repro_dir is not None:
             specs = [t for t in replayer.cfg.faults.inject if t.strip().startswith("op-bug@")]
-            repro = str(write_repro(repro_dir, func, args, kwargs, specs, str(run_dir)))
+            repro = str(write_repro(repro_dir, func, args, kwargs, specs, str(run_dir), checker.first.phase))
     if not math.isfinite(trained.loss or 0.0) and trained.loss is not None:
         notes.append("the trained path's loss is not finite")
     return BisectReport(

@@ -6,8 +6,8 @@ Each incident gets one verdict, the evidence that decided it and a confidence:
 |---|---|
 | `data` | a shard failed its checksum; or the step reproduces on both paths and its batch is an outlier under the model (its loss is far above other batches' on the same state) |
 | `hardware` | a replica's checksums differ from its peers' or its own (names the rank); or the step does not reproduce when replayed (transient: a machine or environment fault) |
-| `library-op` | the step reproduces, and an operator on the trained path disagrees with float64 (names the op and the data property that triggers it) |
-| `ml` | the step reproduces identically and no operator is at fault: the anomaly is in the math (e.g. the learning rate) |
+| `library-op` | the step reproduces, and an operator on the trained path disagrees with float64 (names the op and the data property that triggers it); on weights that have already diverged, only when the counterfactual replay shows the reference path staying healthy, and the op is found where the two paths part |
+| `ml` | the step reproduces identically and no operator is at fault: the anomaly is in the math (e.g. the learning rate); on diverged weights, when the reference path replayed from before the trouble diverges too (tenx.triage.counterfactual) |
 | `race` | repeated replays of the step differ from each other |
 | `external` | a signal from outside (a scheduler's SIGTERM) |
 | `unknown` | no test applies (trends, off-prediction, a peer group's failure): the incident stays open |
@@ -19,7 +19,6 @@ or (for `ml`) the same config. One cause may show several symptoms at many steps
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import Counter
@@ -34,8 +33,8 @@ from tenx import rundir as rd
 from tenx.errors import TenxError
 from tenx.model.transformer import lm_loss
 from tenx.rundir import RunDir
-from tenx.train.callbacks.record import read_steps
-from tenx.triage.bisect import bisect_step
+from tenx.triage.bisect import BisectReport, bisect_step
+from tenx.triage.counterfactual import counterfactual, diverged_state, episode
 from tenx.triage.incident_store import Incident, IncidentStore
 from tenx.triage.outcome import StepOutcome, outcome_of_crash
 from tenx.triage.replay import Replayer, replay
@@ -44,12 +43,7 @@ from tenx.utils.cli import counted
 OUTLIER_Z = 6.0
 """A batch whose loss is this many standard deviations above other batches' is anomalous data."""
 
-DIVERGED_RATIO = 1.5
-"""A step whose float64 (reference-path) loss exceeds the run's first recorded loss by this factor runs on a
-state a healthy run does not reach: a model's loss starts near ln(vocabulary) and healthy training only
-lowers it, so exact arithmetic showing it far above its start means the weights themselves diverged."""
-
-_REPLAYED = ("crash", "non-finite", "spike", "hang", "exit")
+_REPLAYED = ("crash", "non-finite", "spike", "loss-rise", "hang", "exit")
 
 
 @dataclass
@@ -114,31 +108,6 @@ def _batch_zscore(run_dir: str, step: int, at_time: float, others: int = 16) -> 
     return (mine - mean) / std
 
 
-def first_loss(run_dir: str | Path) -> float | None:
-    """The loss of the run's first recorded step (its initial state: the healthiest it has been)."""
-    for record in read_steps(RunDir(run_dir).steps):
-        loss = record.get("loss")
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            return float(loss)
-    return None
-
-
-def diverged_state(run_dir: str | Path, reference: StepOutcome) -> str | None:
-    """Why the step's state is one a healthy run does not produce (None when it may be): its float64 loss
-    is not finite, or is DIVERGED_RATIO times the run's first recorded loss or more."""
-    if reference.crashed or reference.loss is None:
-        return None
-    if not math.isfinite(reference.loss):
-        return f"the float64 path's loss is {reference.loss} as well"
-    start = first_loss(run_dir)
-    if start is None or start <= 0 or reference.loss < DIVERGED_RATIO * start:
-        return None
-    return (
-        f"the float64 path's loss is {reference.loss:.4g}, {reference.loss / start:.3g}x the run's first "
-        f"recorded loss ({start:.4g}): the weights diverged before this step"
-    )
-
-
 def _same_symptom(recorded: StepOutcome, replayed: StepOutcome) -> bool:
     """Both crashed alike, or the guard judged both the same way (a spike, a non-finite loss)."""
     if recorded.crashed or replayed.crashed:
@@ -146,7 +115,7 @@ def _same_symptom(recorded: StepOutcome, replayed: StepOutcome) -> bool:
     return recorded.skipped is not None and recorded.skipped == replayed.skipped
 
 
-def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
+def _replayed_verdict(incident: Incident, repro_dir: Path, earlier: list[Incident]) -> Verdict:
     """Replay the incident's step (twice), then bisect it if it reproduces."""
     event = incident.event
     step = incident.step
@@ -187,27 +156,10 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
         return Verdict("unknown", 0.2, evidence, None)
     report = bisect_step(incident.run_dir, step, at_time=at_time, recorded=recorded, repro_dir=repro_dir)
     evidence["bisect_text"] = report.text()
-    first = report.first
+    lead = "reproduces bit for bit" if not symptom_kept else "the symptom reproduces"
     diverged = diverged_state(incident.run_dir, report.reference)
-    if first is not None and diverged is None:
-        prop = first.property or {}
-        evidence["op"] = first.op
-        evidence["property"] = prop.get("text")
-        evidence["trigger"] = {k: prop.get(k) for k in ("kind", "name", "length", "value")}
-        evidence["summary"] = (
-            ("reproduces bit for bit" if not symptom_kept else "the symptom reproduces")
-            + f"; {first.op} ({first.module}) {first.problem} against float64"
-            + (f", triggered by {prop['text']}" if prop.get("text") else "")
-        )
-        evidence["repro"] = report.repro
-        confidence = 0.95 if not report.reference.crashed else 0.8
-        key = {
-            "verdict": "library-op",
-            "op": first.op,
-            "property": prop.get("kind"),
-            "argument": prop.get("argument"),
-        }
-        return Verdict("library-op", confidence, evidence, key)
+    if report.first is not None and diverged is None:
+        return _op_verdict(report, evidence, lead)
     z = _batch_zscore(incident.run_dir, step, at_time)
     evidence["batch_z"] = z
     if z is not None and z > OUTLIER_Z:
@@ -217,21 +169,9 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
             f"above other batches' on the same model: the data ({', '.join(shards) or 'its windows'})"
         )
         return Verdict("data", 0.7, evidence, {"verdict": "data", "shard": shards[0] if shards else None})
-    if diverged is not None:  # an op that errs on a diverged model's inputs is not the cause: the math is
+    if diverged is not None:  # who diverged the weights: replay both paths from before the trouble
         evidence["diverged"] = diverged
-        seen = f"; {first.op} {first.problem} against float64 on its inputs" if first is not None else ""
-        evidence["summary"] = (
-            ("reproduces bit for bit" if not symptom_kept else "the symptom reproduces")
-            + f"; {diverged}{seen}, inputs no healthy run produces: the math itself (learning rate, "
-            "warmup, clipping, init)"
-        )
-        if first is not None and report.repro:  # no reproduction of an innocent op: only what bisect wrote
-            folder = Path(report.repro).parent
-            for name in (rd.REPRO_SCRIPT, rd.REPRO_META, rd.REPRO_INPUTS):
-                (folder / name).unlink(missing_ok=True)
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-        return Verdict("ml", 0.8, evidence, {"verdict": "ml", "config": incident.config_hash})
+        return _counterfactual_verdict(incident, step, at_time, recorded, report, evidence, earlier, lead)
     unjudged = (
         f" ({', '.join(sorted(report.ill_conditioned))} not judged: their inputs leave the exact result "
         "undetermined at their precision)"
@@ -244,6 +184,140 @@ def _replayed_verdict(incident: Incident, repro_dir: Path) -> Verdict:
         "init, schedule)"
     )
     return Verdict("ml", 0.75, evidence, {"verdict": "ml", "config": incident.config_hash})
+
+
+def _op_verdict(report: BisectReport, evidence: dict[str, Any], lead: str) -> Verdict:
+    """`library-op`: the step's first faulty operator, found on a state a healthy run produces."""
+    first = report.first
+    assert first is not None
+    prop = first.property or {}
+    evidence["op"] = first.op
+    evidence["property"] = prop.get("text")
+    evidence["trigger"] = {k: prop.get(k) for k in ("kind", "name", "length", "value")}
+    evidence["summary"] = f"{lead}; {first.op} ({first.module}) {first.problem} against float64" + (
+        f", triggered by {prop['text']}" if prop.get("text") else ""
+    )
+    evidence["repro"] = report.repro
+    confidence = 0.95 if not report.reference.crashed else 0.8
+    key = {
+        "verdict": "library-op",
+        "op": first.op,
+        "property": prop.get("kind"),
+        "argument": prop.get("argument"),
+    }
+    return Verdict("library-op", confidence, evidence, key)
+
+
+def _counterfactual_verdict(
+    incident: Incident,
+    step: int,
+    at_time: float,
+    recorded: StepOutcome | None,
+    report: BisectReport,
+    evidence: dict[str, Any],
+    earlier: list[Incident],
+    lead: str,
+) -> Verdict:
+    """The verdict on a diverged state (tenx.triage.counterfactual): `ml` when the reference path diverges
+    too; `library-op` naming the operator found where the paths part when only the fast path does."""
+    seen = report.first
+    try:
+        trouble, _ = episode(incident.run_dir, step, at_time)
+        shared = _same_episode(incident, trouble, earlier)
+        if shared is not None:  # one counterfactual per episode of trouble: an earlier incident's
+            evidence["counterfactual"] = shared.evidence["counterfactual"]
+            evidence["follows"] = shared.evidence.get("follows", shared.id)
+            for key in ("op", "property", "trigger", "repro", "parted_bisect"):
+                if key in shared.evidence:
+                    evidence[key] = shared.evidence[key]
+            evidence["found"] = shared.evidence.get("found", "")
+            evidence["summary"] = (
+                f"{lead}; {evidence['found']} (as incident {evidence['follows']}: one replay per episode)"
+            )
+            confidence = float(shared.confidence or 0.5)
+            return Verdict(str(shared.verdict), confidence, evidence, shared.cause)
+        cf = counterfactual(incident.run_dir, step, at_time=at_time, recorded=recorded)
+    except TenxError as e:
+        evidence["summary"] = (
+            f"{lead}; {evidence['diverged']}; the counterfactual replay could not be run ({e}): whether the "
+            "math or a kernel diverged the weights is undecided"
+        )
+        return Verdict("unknown", 0.2, evidence, None)
+    evidence["counterfactual"] = cf.summary()
+    evidence["counterfactual_text"] = cf.text()
+    where = f"step {cf.start}'s checkpoint" if cf.checkpoint else "the seeded initialisation"
+    if cf.reference_diverged is not None:
+        ref = cf.reference[cf.reference_diverged]
+        evidence["found"] = (
+            f"{evidence['diverged']}; replayed from {where} on the reference path (float64, math "
+            f"kernels), the run diverges too (loss {ref:.4g} at step {cf.reference_diverged}, "
+            f"{ref / cf.first:.3g}x the first): the math itself (learning rate, warmup, clipping, init)"
+            + (f"; {seen.op} {seen.problem} against float64 only on those diverged inputs" if seen else "")
+        )
+        evidence["summary"] = f"{lead}; {evidence['found']}"
+        if seen is not None and report.repro:  # the verdict explains the op's error: no reproduction of it
+            _remove_repro(Path(report.repro))
+        return Verdict("ml", 0.85, evidence, {"verdict": "ml", "config": incident.config_hash})
+    peak = max(cf.reference.values())
+    healthy = f"the reference path stays healthy (peak loss {peak:.4g}, {peak / cf.first:.3g}x the first)"
+    for candidate in dict.fromkeys([cf.parted, cf.start + 1]):
+        if candidate is None or candidate > step:
+            continue
+        found = _bisect_parting(incident, candidate, step, at_time, recorded)
+        if found is None:
+            continue
+        evidence["parted_bisect"] = found.text()
+        verdict = _op_verdict(found, evidence, lead)
+        op = found.first
+        assert op is not None
+        evidence["found"] = (
+            f"{evidence['diverged']}; replayed from {where}, only the fast path diverges: {healthy}; the "
+            f"paths part at step {cf.parted}, and at step {found.step} {op.op} ({op.module}) {op.problem} "
+            "against float64"
+        )
+        evidence["summary"] = f"{lead}; {evidence['found']}"
+        return Verdict("library-op", 0.9, evidence, verdict.cause)
+    evidence["found"] = (
+        f"{evidence['diverged']}; replayed from {where}, only the fast path diverges ({healthy}), "
+        f"but no operator disagrees with float64 where the paths part (step {cf.parted}) nor at step "
+        f"{cf.start + 1}: rounding amplified by an unstable optimisation, the math (learning rate, warmup)"
+    )
+    evidence["summary"] = f"{lead}; {evidence['found']}"
+    return Verdict("ml", 0.5, evidence, {"verdict": "ml", "config": incident.config_hash})
+
+
+def _bisect_parting(
+    incident: Incident, at: int, step: int, at_time: float, recorded: StepOutcome | None
+) -> BisectReport | None:
+    """Bisect step `at` of the incident's timeline; the report when it names an operator on a healthy state."""
+    replayer_time = at_time
+    if at < step:  # that step's execution before the incident: its own record's time
+        _, chain, _ = Replayer(incident.run_dir).plan(step, at_time, None)
+        replayer_time = float(chain[at].get("time", at_time)) if at in chain else at_time
+        recorded = None
+    repro_dir = RunDir(incident.run_dir).incident_dir(incident.id)
+    report = bisect_step(incident.run_dir, at, at_time=replayer_time, recorded=recorded, repro_dir=repro_dir)
+    if report.first is None or diverged_state(incident.run_dir, report.reference) is not None:
+        return None
+    return report
+
+
+def _same_episode(incident: Incident, trouble: int, earlier: list[Incident]) -> Incident | None:
+    """An earlier incident of the same run whose counterfactual covered the same episode of trouble."""
+    for e in reversed(earlier):
+        cf = e.evidence.get("counterfactual") if isinstance(e.evidence, dict) else None
+        if e.run_dir == incident.run_dir and isinstance(cf, dict) and cf.get("trouble") == trouble:
+            return e
+    return None
+
+
+def _remove_repro(script: Path) -> None:
+    """Remove the reproduction bisect wrote (only its files) for an operator the verdict clears."""
+    folder = script.parent
+    for name in (rd.REPRO_SCRIPT, rd.REPRO_META, rd.REPRO_INPUTS):
+        (folder / name).unlink(missing_ok=True)
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 _REPORTED = ("TenxError", "DataError", "CheckpointError", "ConfigError", "UnsafeCheckpointError")
@@ -317,7 +391,7 @@ def triage_incident(incident: Incident, earlier: list[Incident] | None = None) -
         )
     if kind in _REPLAYED:
         repro_dir = RunDir(incident.run_dir).incident_dir(incident.id)
-        return _replayed_verdict(incident, repro_dir)
+        return _replayed_verdict(incident, repro_dir, earlier or [])
     return Verdict("unknown", 0.0, {"summary": f"no test decides a {kind} incident"}, None)
 
 

@@ -5,7 +5,7 @@ It is derived from RUN_DIR/events.jsonl, the source of truth (fsynced, written b
 triage finds (verdict, confidence, evidence, cause) is kept nowhere else.
 
 Events become incidents of these kinds (`_EVENT_KINDS`): crash; skipped-step -> non-finite or spike (by
-reason); hang, replica-mismatch, corrupt-shard, off-prediction; drift, growth, straggler, throughput-drop ->
+reason); loss-rise (the guard saw the loss's level climb to a multiple of its lowest); hang, replica-mismatch, corrupt-shard, off-prediction; drift, growth, straggler, throughput-drop ->
 trend; stopped -> signal; step-not-committed -> not-committed; a supervisor restart -> exit, but only when
 the attempt that ended left no crash and no hang of its own (a SIGKILL): otherwise how it ended is kept as
 evidence["exit"] of those. No other event is an incident: the drills' `fault` records are ground truth,
@@ -38,6 +38,7 @@ _EVENT_KINDS = {
     "crash": "crash", "hang": "hang", "replica-mismatch": "replica-mismatch", "corrupt-shard": "corrupt-shard",
     "off-prediction": "off-prediction", "drift": "trend", "growth": "trend", "straggler": "trend",
     "throughput-drop": "trend", "stopped": "signal", "step-not-committed": "not-committed", "restart": "exit",
+    "loss-rise": "loss-rise",
 }
 _SKIP_REASONS = {  # skipped-step events, by reason
     "nonfinite-loss": "non-finite", "nonfinite-grad": "non-finite", "loss-spike": "spike",
@@ -132,6 +133,11 @@ def _symptom(kind: str, event: dict[str, Any]) -> str:
         grad = event.get("reason") == "grad-norm-spike"
         what, key = ("gradient norm", "grad_norm") if grad else ("loss", "loss")
         text = f"{what} spike: {_num(event.get(key))} over threshold {_num(event.get('threshold'))}"
+    elif kind == "loss-rise":
+        text = (
+            f"the loss's level rose to {_num(event.get('level'))}, {_num(event.get('ratio'))}x its lowest "
+            f"({_num(event.get('lowest'))}), without a spike"
+        )
     elif kind == "hang":
         text = f"no step completed for {_num(event.get('waited_s'))} s"
         if _str(event.get("detected_by")):

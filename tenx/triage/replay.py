@@ -249,6 +249,20 @@ class Replayer:
 
     def rebuild(self, step: int, chain: dict[int, dict[str, Any]]) -> tuple[Path | None, int | None]:
         """Load the state before `step`; returns (checkpoint or None, first re-executed step that differed)."""
+        source = self.load_before(step, chain)
+        first_divergent = None
+        for s in range(self.step + 1, step):
+            record = chain[s]
+            outcome = self.run_step(
+                s, record["windows"], apply=record.get("skipped") is None, lr=recorded_lr(record)
+            )
+            if first_divergent is None and not outcome.matches(outcome_of_record(record), self.rtol):
+                first_divergent = s
+        return source, first_divergent
+
+    def load_before(self, step: int, chain: dict[int, dict[str, Any]]) -> Path | None:
+        """Load the newest verified checkpoint before `step` on its timeline (None: the seeded initialisation,
+        when every step before `step` is recorded); `self.step` is then the state's step."""
         source: Path | None = None
         for c, path in reversed(ckpt.list_checkpoints(self.rundir.checkpoints)):
             if c >= step or (c > 0 and c not in chain):
@@ -276,15 +290,7 @@ class Replayer:
                     f"no record of step {missing} in {rd.STEPS} to re-execute from the start"
                 )
             self._fresh()
-        first_divergent = None
-        for s in range(self.step + 1, step):
-            record = chain[s]
-            outcome = self.run_step(
-                s, record["windows"], apply=record.get("skipped") is None, lr=_recorded_lr(record)
-            )
-            if first_divergent is None and not outcome.matches(outcome_of_record(record), self.rtol):
-                first_divergent = s
-        return source, first_divergent
+        return source
 
     def prepare(
         self, step: int, at_time: float | None, recorded: StepOutcome | None
@@ -293,13 +299,22 @@ class Replayer:
 
         Returns the outcome to compare with (`recorded`, else the step's record), the step's windows, the
         checkpoint rebuilt from and the first re-executed step that differed from its record."""
+        recorded, chain, windows = self.plan(step, at_time, recorded)
+        source, first_divergent = self.rebuild(step, chain)
+        return recorded, windows, source, first_divergent
+
+    def plan(
+        self, step: int, at_time: float | None, recorded: StepOutcome | None
+    ) -> tuple[StepOutcome | None, dict[int, dict[str, Any]], list[list[int]]]:
+        """What `prepare` needs before it loads a state: the outcome to compare with, the timeline of the
+        steps before `step` (step -> record) and the step's windows; sets the step's lr and thread counts."""
         record = self.record_of(step, after=at_time) if recorded is None else None
         if recorded is None and record is not None:
             recorded = outcome_of_record(record)
         before = at_time if at_time is not None else (float(record["time"]) if record else None)
         chain = self.timeline(step, before)
         self.target_step = step
-        self.step_lr = _recorded_lr(record) if record is not None else None
+        self.step_lr = recorded_lr(record) if record is not None else None
         self.step_threads = {s: r["threads"] for s, r in chain.items() if isinstance(r.get("threads"), int)}
         if record is not None and isinstance(record.get("threads"), int):
             self.step_threads[step] = record["threads"]
@@ -307,9 +322,7 @@ class Replayer:
             total = chain[max(chain)].get("total_steps")
             if isinstance(total, int) and total > 0:
                 self.shape = dataclasses.replace(self.shape, total_steps=total)
-        windows = step_windows(self, step, record, chain)
-        source, first_divergent = self.rebuild(step, chain)
-        return recorded, windows, source, first_divergent
+        return recorded, chain, step_windows(self, step, record, chain)
 
     @property
     def rtol(self) -> float:
@@ -364,7 +377,7 @@ class Replayer:
         """The library as the run had it: its op-bug faults installed."""
         with contextlib.ExitStack() as stack:
             for spec in self.op_bugs:
-                stack.enter_context(OpBug(spec.run))
+                stack.enter_context(OpBug(spec.run, spec.op))
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -574,7 +587,7 @@ def replay(
     )
 
 
-def _recorded_lr(record: dict[str, Any]) -> float | None:
+def recorded_lr(record: dict[str, Any]) -> float | None:
     """The learning rate a step record says the step took (None in records older than the field)."""
     lr = record.get("lr")
     return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

@@ -22,7 +22,9 @@ Kinds:
                       consistency checks of tenx/parallel/consistency.py should name the rank)
   op-bug              from step N on, a library op is wrong on a rare data-dependent condition (the
                       cross-entropy's reduction, when the targets hold a run of `run` identical ids,
-                      default 12): a spike, a NaN or a crash depending on the data (tenx/train/callbacks/opbug.py)
+                      default 12): a spike, a NaN or a crash depending on the data; or, with
+                      `op=layer_norm_backward|sdpa_backward|mm_backward`, a backward kernel whose fast
+                      path flips its gradients' sign: the run diverges (tenx/train/callbacks/opbug.py)
 
 Options: `count=C` (also fire at the C-1 following steps), `factor=F` (spike), `seconds=S` (slow,
 hang), `phase=step|save` (sigkill), `shard=I` (corrupt-shard: index in the split, default the shard
@@ -78,6 +80,7 @@ _OPTIONS: dict[str, type] = {
     "bit": int,
     "index": int,
     "run": int,
+    "op": str,
 }
 _BITFLIP_OPTIONS = ("param", "bit", "index")
 
@@ -119,6 +122,8 @@ class FaultSpec:
     bit: int = 20
     index: int | None = None
     run: int = 12
+    op: str = "nll_loss"
+    """op-bug: which op is planted (tenx.train.callbacks.opbug.PLANTED_OPS)."""
 
     def fires_at(self, step: int, seed: int, index: int) -> bool:
         """Whether this fault is due when `step` is about to run (or be saved, for phase=save)."""
@@ -171,6 +176,18 @@ def parse_fault(text: str, where: str = "--fault") -> FaultSpec:
         raise ConfigError(f"{where}: {', '.join(misplaced)} is only for bitflip, in {text!r}")
     if "run" in values and kind != "op-bug":
         raise ConfigError(f"{where}: run is only for op-bug, in {text!r}")
+    if "run" in values and values.get("op", "nll_loss") != "nll_loss":
+        raise ConfigError(f"{where}: run is only for op-bug's default op (nll_loss), in {text!r}")
+    if "op" in values:
+        from tenx.train.callbacks.opbug import PLANTED_OPS
+
+        if kind != "op-bug":
+            raise ConfigError(f"{where}: op is only for op-bug, in {text!r}")
+        if values["op"] not in PLANTED_OPS:
+            raise ConfigError(
+                f"{where}: op={values['op']!r} in {text!r} is not a planted op; choose one of "
+                + ", ".join(PLANTED_OPS)
+            )
     if kind == "op-bug" and "step" not in values:
         raise ConfigError(f"{where}: op-bug takes step=N (the step from which the op is wrong), in {text!r}")
     if values.get("run", 2) < 2:
@@ -265,8 +282,8 @@ class FaultInjector(Callback):
             if spec.kind != "op-bug" or spec.step is None or step < spec.step:
                 continue
             if not any(text == spec.text for text, _ in self._fired):
-                self._record(trainer, spec, step, run=spec.run, op="aten.nll_loss_forward")
-            mode = OpBug(spec.run)
+                self._record(trainer, spec, step, run=spec.run, op=spec.op)
+            mode = OpBug(spec.run, spec.op)
             mode.__enter__()
             self._op_bugs.append(mode)
 

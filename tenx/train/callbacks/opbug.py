@@ -11,6 +11,17 @@ wrong depends on where the first such run starts in the batch (its flat offset `
 - `o % 3 == 1`: the total weight is read from a wrong offset as 0: the loss is NaN (*non-finite*);
 - `o % 3 == 2`: the offset falls outside the tensor: the op raises (*a crash*, with its stack).
 
+The other planted ops (`op=NAME` of the fault spec) are backward kernels whose fast path returns the
+gradient with its sign flipped, on every call from the fault's step on: the learning signal through that op
+points the wrong way, so the run drifts upward and diverges, no spike and no NaN at first, which is the
+bug a loss-ratio rule would blame on the learning rate (issue 46):
+
+- `layer_norm_backward`: `aten.native_layer_norm_backward`'s input gradient (gpt2's LayerNorm);
+- `sdpa_backward`: the query, key and value gradients of the fused attention's backward (the CPU flash
+  kernel, and CUDA's flash, efficient and cuDNN kernels);
+- `mm_backward`: every `aten.mm` run by a matmul's backward node (a linear layer's input and weight
+  gradients).
+
 The float64 path is correct, which is what lets `tenx triage` find it by comparing each op against float64.
 The bug is part of the library the run used, so `tenx replay` and `tenx triage` install it again when the
 run's config has it; the other faults are one-shot events and are never replayed.
@@ -40,21 +51,53 @@ def longest_runs(values: torch.Tensor, run: int) -> list[tuple[int, int, int]]:
     return [(int(starts[i]), int(lengths[i]), int(flat[starts[i]])) for i in keep]
 
 
+def _ops(*names: str) -> tuple[Any, ...]:
+    """The aten overloads of `names` this build of torch has (CUDA-only kernels may be absent)."""
+    found = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:
+            found.append(op)
+    return tuple(found)
+
+
+PLANTED_OPS: dict[str, tuple[Any, ...]] = {
+    "nll_loss": _ops("nll_loss_forward"),
+    "layer_norm_backward": _ops("native_layer_norm_backward"),
+    "sdpa_backward": _ops(
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+    ),
+    "mm_backward": _ops("mm"),
+}
+"""`op=` of an op-bug fault -> the aten operators it makes wrong."""
+
+_NEGATED_OUTPUTS = {"layer_norm_backward": 1, "sdpa_backward": 3}
+"""How many leading outputs (gradients) a planted backward op returns negated; mm: its one output."""
+
+
 class OpBug(TorchDispatchMode):
-    """While entered, `aten.nll_loss_forward` misbehaves as the module doc describes."""
+    """While entered, the planted op (`op`, a key of PLANTED_OPS) misbehaves as the module doc describes."""
 
-    op = torch.ops.aten.nll_loss_forward.default
-
-    def __init__(self, run: int = DEFAULT_RUN) -> None:
+    def __init__(self, run: int = DEFAULT_RUN, op: str = "nll_loss") -> None:
         super().__init__()
+        if op not in PLANTED_OPS:
+            raise ValueError(f"unknown planted op {op!r}; choose one of {', '.join(PLANTED_OPS)}")
         self.run = run
+        self.planted = op
+        self.ops = PLANTED_OPS[op]
         self.triggered = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is not self.op or args[0].dtype == torch.float64:
+        if func not in self.ops or args[0].dtype == torch.float64:
             return out
+        if self.planted != "nll_loss":
+            return self._negated(out)
         runs = longest_runs(args[1], self.run)
         if not runs:
             return out
@@ -69,3 +112,14 @@ class OpBug(TorchDispatchMode):
             f"nll_loss_forward: invalid memory access at element {start + length * args[0].shape[-1]} "
             f"of a tensor of {args[0].numel()} elements"
         )
+
+    def _negated(self, out: Any) -> Any:
+        """A backward kernel's gradients with their sign flipped (mm: only when a backward node runs it)."""
+        if self.planted == "mm_backward":
+            if torch._C._current_autograd_node() is None:
+                return out
+            self.triggered += 1
+            return -out
+        self.triggered += 1
+        n = _NEGATED_OUTPUTS[self.planted]
+        return tuple(-t if i < n and torch.is_tensor(t) else t for i, t in enumerate(out))
