@@ -19,15 +19,22 @@ from typing import Any
 
 import torch
 
-from tenx.data.tokenizer import load_hf_tokenizer
+from tenx.data.tokenizer import BPE_FILE, load_hf_tokenizer
 from tenx.errors import TenxError
 from tenx.export.hf import hf_architecture, hf_state_dict
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer
 from tenx.train.hooks import Callback, TrainerView
-from tenx.utils.io import bytes_xxhash
+from tenx.utils.io import bytes_xxhash, file_xxhash, read_regular_file
 
 ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+"""The `model_type` of each architecture: what transformers builds the model from (AutoConfig)."""
+CONFIG_LIMIT, INDEX_LIMIT = 1 << 20, 64 << 20
+"""The most bytes tenx reads of config.json and of model.safetensors.index.json (published ones: a few KB,
+and under 1 MB for the largest sharded models)."""
+MAX_POSITIONS = 1 << 21
+"""The longest context tenx imports (its RoPE tables are computed for the whole of it by import_hf)."""
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -60,10 +67,7 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
     path = directory / "config.json"
     if not directory.is_dir():
         raise TenxError(f"--init-from {directory}: not a directory (a local transformers model directory)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TenxError(f"{path}: cannot be read as JSON ({e})") from None
+    raw = _read_json(path, CONFIG_LIMIT)
     if not isinstance(raw, dict):
         raise TenxError(f"{path}: must hold a JSON object")
 
@@ -93,6 +97,12 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
     if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in ARCHITECTURES):
         raise refuse("architectures", f"tenx imports exactly one of {', '.join(ARCHITECTURES)}")
     arch = arch[0]
+    if raw.get("model_type") != MODEL_TYPES[arch]:
+        raise refuse(
+            "model_type",
+            f'transformers builds the model from model_type, and architectures=["{arch}"] is model_type '
+            f"{json.dumps(MODEL_TYPES[arch])}: the directory does not say which model it is",
+        )
     for name in ("rope_scaling", "sliding_window"):
         if raw.get(name) not in (None, False) and (name != "sliding_window" or raw.get("use_sliding_window")):
             raise refuse(name, "tenx computes plain RoPE over full causal attention only")
@@ -152,9 +162,61 @@ def read_hf_config(hf_dir: str | Path) -> HFModel:
     if fields["n_heads"] % fields["n_kv_heads"]:
         raise refuse("num_key_value_heads", f"must divide num_attention_heads={heads}")
     vocab = get("vocab_size", int, positive=True)
+    window = raw.get("sliding_window")
+    if arch != "Qwen3ForCausalLM" and isinstance(window, int) and not isinstance(window, bool):
+        if window < positions:  # Qwen3 has the field (use_sliding_window, above); these never did
+            raise refuse("sliding_window", f"{arch} attends over the whole context, {positions} positions")
+    if positions > MAX_POSITIONS:
+        name = "n_positions" if arch == "GPT2LMHeadModel" else "max_position_embeddings"
+        raise refuse(name, f"more than the {MAX_POSITIONS:,} positions tenx imports")
     fields.update(head_dim=d // heads, vocab_size=vocab)
     fields.setdefault("rope_theta", 10000.0)
-    return HFModel(directory, arch, fields, positions, vocab)
+    hf = HFModel(directory, arch, fields, positions, vocab)
+    _check_sizes(hf, refuse)
+    return hf
+
+
+def _read_json(path: Path, limit: int) -> Any:
+    """A small JSON file of a model directory: a regular file of at most `limit` bytes (a FIFO or a link to
+    /dev/zero is refused unread), plain JSON (no NaN or Infinity, nesting Python can parse); TenxError else."""
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    data = read_regular_file(path, limit)
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nesting
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise TenxError(f"{path}: cannot be read as JSON ({reason})") from None
+
+
+def _check_sizes(hf: HFModel, refuse: Any) -> None:
+    """Refuse, naming the config.json field, sizes that the weights do not have, before anything of the
+    model's size is allocated: the embedding's rows and width (vocab_size, hidden_size), the number of layers,
+    the MLP's width and GPT-2's positions, read from the safetensors headers (no tensor is read)."""
+    shapes = _hf_names(read_hf_shapes(hf.directory), hf.architecture)
+    f, gpt2 = hf.fields, hf.architecture == "GPT2LMHeadModel"
+    prefix = "transformer.h." if gpt2 else "model.layers."
+    embedding = shapes.get("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight")
+    layers = {int(n[len(prefix) :].split(".")[0]) for n in shapes if n.startswith(prefix)
+              and n[len(prefix) :].split(".")[0].isdigit()}  # fmt: skip
+    mlp = shapes.get(f"{prefix}0.mlp.c_fc.weight" if gpt2 else f"{prefix}0.mlp.gate_proj.weight")
+    d_ff = mlp and (mlp[-1] if gpt2 else mlp[0])
+    checks = [
+        ("vocab_size", hf.vocab_size, embedding and embedding[0], "rows of the token embedding"),
+        ("n_embd" if gpt2 else "hidden_size", f["d_model"], embedding and embedding[-1], "embedding width"),
+        ("n_layer" if gpt2 else "num_hidden_layers", f["depth"], len(layers), "layers"),
+        ("n_inner" if gpt2 else "intermediate_size", f["d_ff"], d_ff, "MLP width"),
+    ]
+    if gpt2:
+        positions = shapes.get("transformer.wpe.weight")
+        checks.append(("n_positions", hf.max_positions, positions and positions[0], "position embeddings"))
+    for name, wanted, held, what in checks:
+        if held is None:
+            continue  # a tensor that is missing: load_hf_weights names it
+        if wanted != held:
+            raise refuse(name, f"it makes {wanted:,} {what} but the weights have {held:,}")
 
 
 def model_config(hf: HFModel, base: ModelConfig | None = None) -> ModelConfig:
@@ -173,13 +235,14 @@ def model_config(hf: HFModel, base: ModelConfig | None = None) -> ModelConfig:
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Each tensor's safetensors file (from the index when sharded); refuses pickles and unsafe names."""
+    """Each tensor's safetensors file (from the index when sharded); refuses pickles, names outside the
+    directory and files that are links to outside it."""
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = _read_json(index, INDEX_LIMIT)["weight_map"]
             assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        except (KeyError, TypeError, AssertionError) as e:
             raise TenxError(f"{index}: no readable weight_map ({type(e).__name__}: {e})") from None
         files: dict[str, Path] = {}
         for name, file in weight_map.items():
@@ -188,8 +251,11 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
                     f"{index}: weight_map[{name!r}]={file!r}: not a .safetensors file of {directory}"
                 )
             files[name] = directory / file
+        for path in set(files.values()):
+            _check_inside(directory, path)
         return files
     if (directory / SAFETENSORS).is_file():
+        _check_inside(directory, directory / SAFETENSORS)
         return {}  # one file: names read from it
     found = [p for p in PICKLES if (directory / p).exists()]
     raise TenxError(
@@ -199,12 +265,44 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     )
 
 
+def _check_inside(directory: Path, path: Path) -> None:
+    """TenxError unless the weight file `path` (links followed) lies in `directory`, or is the blob that a
+    Hugging Face cache snapshot (models--ORG--NAME/snapshots/REV/FILE) links to (models--ORG--NAME/blobs/)."""
+    target, root = path.resolve(), directory.resolve()
+    cache = root.parent.name == "snapshots" and target.parent == root.parent.parent / "blobs"
+    if not (target.is_relative_to(root) or cache):
+        raise TenxError(
+            f"{path}: a link to {target}, outside {directory}: tenx reads a model directory's own weight files "
+            "only; copy the file into the directory"
+        )
+
+
+def _weight_paths(directory: Path) -> tuple[dict[str, Path] | None, list[Path]]:
+    """The index's tensor -> file map (None for one model.safetensors) and the files to read, checked."""
+    files = _tensor_files(directory) or None
+    return files, sorted(set(files.values())) if files else [directory / SAFETENSORS]
+
+
+def read_hf_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the safetensors headers only (nothing of the tensors is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for path in _weight_paths(directory)[1]:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is no dict
+                    out[name] = tuple(f.get_slice(name).get_shape())
+        except (OSError, SafetensorError) as e:
+            raise TenxError(f"{path}: not a readable safetensors file ({e})") from None
+    return out
+
+
 def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors file(s), as fp32, with the file checked for each."""
     from safetensors import SafetensorError, safe_open
 
-    files = _tensor_files(directory) or None
-    paths = sorted(set(files.values())) if files else [directory / SAFETENSORS]
+    files, paths = _weight_paths(directory)
     out: dict[str, torch.Tensor] = {}
     for path in paths:
         try:
@@ -226,6 +324,17 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
             f"{sorted(set(files) - set(out))[:4]}"
         )
     return out
+
+
+def _check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """TenxError naming the tensor, its first non-finite value and how many it holds."""
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise TenxError(
+            f"{path}: tensor {name} holds {int(bad.sum()):,} non-finite values (the first, at {list(at)}, "
+            f"is {float(tensor[at])}): the weights are damaged; tenx refuses to train from them"
+        )
 
 
 def _hf_names(tensors: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
@@ -250,6 +359,8 @@ def load_hf_weights(model: Transformer, hf: HFModel, tensors: dict[str, torch.Te
     """
     arch, cfg, where = hf.architecture, model.cfg, hf.directory
     found = _hf_names(read_hf_tensors(where) if tensors is None else dict(tensors), arch)
+    for name, t in found.items():  # a run from them would skip every step
+        _check_finite(where, name, t)
     expected = {n: tuple(t.shape) for n, t in hf_state_dict(model, arch).items()}
     vocab_rows = {"transformer.wte.weight", "model.embed_tokens.weight", "lm_head.weight"}
     padded = cfg.vocab_size or 0
@@ -352,6 +463,23 @@ class InitFromHF(Callback):
 
     def __init__(self, hf: HFModel) -> None:
         self.hf = hf
+        self._provenance: dict[str, Any] | None = None
+
+    def provenance(self) -> dict[str, Any]:
+        """run.json's `init_from`: the directory, its architecture and the xxhash of each file the run's
+        weights and tokenizer came from (computed once, by the rank that writes run.json)."""
+        if self._provenance is None:
+            where = self.hf.directory
+            files = [where / "config.json", *_weight_paths(where)[1], where / BPE_FILE]
+            files += [where / SAFETENSORS_INDEX] if (where / SAFETENSORS_INDEX).is_file() else []
+            self._provenance = {
+                "init_from": {
+                    "path": str(where.resolve()),
+                    "architecture": self.hf.architecture,
+                    "xxhash": {p.name: file_xxhash(p) for p in sorted(files) if p.is_file()},
+                }
+            }
+        return self._provenance
 
     def on_train_start(self, trainer: TrainerView) -> None:
         if trainer.step:  # resumed from a checkpoint: the weights are the run's own by now
@@ -381,16 +509,19 @@ def init_from_hf(hf_dir: str | Path, cfg: Any) -> tuple[InitFromHF, list[str]]:
 
     hf = read_hf_config(hf_dir)
     model = model_config(hf, cfg.model)
-    _tensor_files(hf.directory)  # no safetensors (a pickle only, say): refused before the run starts
     entry = read_manifest(cfg.data.dir)["tokenizer"]
     data = f"the data in {cfg.data.dir} ({entry.get('kind')}, vocabulary {entry.get('vocab_size')})"
-    if (hf.directory / "tokenizer.json").is_file():
-        if entry.get("xxhash") != tokenizer_digest(hf.directory):
-            raise TenxError(
-                f"{data} was not tokenized with {hf.directory / 'tokenizer.json'}: prepare it again with "
-                f"`tenx data prepare ... --tokenizer-from {hf.directory}`"
-            )
-    elif not isinstance(entry.get("vocab_size"), int) or entry["vocab_size"] > hf.vocab_size:
-        raise TenxError(f"{data} has more token ids than {hf.directory}'s vocab_size={hf.vocab_size}")
+    tokenizer = hf.directory / BPE_FILE
+    if not tokenizer.exists() and not tokenizer.is_symlink():
+        raise TenxError(
+            f"{hf.directory} has no {BPE_FILE}, so nothing shows that {data} was tokenized the way the model "
+            f"was trained: put the model's {BPE_FILE} in {hf.directory} and prepare the data with "
+            f"`tenx data prepare ... --tokenizer-from {hf.directory}`"
+        )
+    if entry.get("xxhash") != tokenizer_digest(hf.directory):
+        raise TenxError(
+            f"{data} was not tokenized with {tokenizer}: prepare it again with "
+            f"`tenx data prepare ... --tokenizer-from {hf.directory}`"
+        )
     fields = [*MODEL_FIELDS, "seq_len"]
     return InitFromHF(hf), [f"model.{k}={json.dumps(getattr(model, k))}" for k in fields]

@@ -169,5 +169,10 @@ class Callback:
         """JSON-serialisable state, saved in every checkpoint."""
         return {}
 
+    def provenance(self) -> dict[str, Any]:
+        """Fields this callback adds to run.json (rank 0 writes it as training starts): what the run is
+        made of that the config does not say, such as where `--init-from` weights came from."""
+        return {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""

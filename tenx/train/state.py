@@ -393,5 +393,6 @@ class TrainerState(TrainerParts):
                 "data_parallel": self.data_parallel,
                 "grad_accum": self.grad_accum,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                **{key: value for cb in self.callbacks for key, value in cb.provenance().items()},
             },
         )

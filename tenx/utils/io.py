@@ -403,3 +403,36 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base).absolute() / "tenx"
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of `path`, a regular file (links followed) of at most `limit` bytes, or a TenxError naming the
+    path and what it is instead: a FIFO, device, socket or directory is refused unopened (opened without
+    blocking and checked again, so one swapped in meanwhile is refused too), and a larger file unread."""
+    import stat
+
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory"}  # fmt: skip
+
+    def check(mode: int, size: int) -> None:
+        if not stat.S_ISREG(mode):
+            what = next(
+                (name for test, name in kinds.items() if test(mode)), "neither a file nor a directory"
+            )
+            raise TenxError(f"{path}: is {what}, not a regular file; tenx reads only regular files here")
+        if size > limit:
+            raise TenxError(
+                f"{path}: {format_bytes(size)}, more than the {format_bytes(limit)} tenx reads of such a file"
+            )
+
+    try:
+        check(os.stat(path).st_mode, 0)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise TenxError(f"{path}: cannot be read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        check(st.st_mode, st.st_size)
+        data = f.read(limit + 1)
+    check(stat.S_IFREG, len(data))  # grew since
+    return data
