@@ -166,6 +166,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
         unique_column=args.unique_column,
         filters=args.filter,
         holdout=args.holdout,
+        force=args.force,
     )
     print(format_fit(report))
 
@@ -205,7 +206,10 @@ def _fit_arguments(fp: argparse.ArgumentParser) -> None:
         metavar="EXPR",
         help="rows to predict instead of fit, e.g. 'params>=1e9' or 'params>=1e9 & tokens<1e11'",
     )
-    fp.add_argument("--json", help="report JSON path (default OUT/INPUT_fit_LAW.json)")
+    fp.add_argument("--json", help="report JSON path (default OUT/INPUT_fit_LAW.json, rewritten each time)")
+    fp.add_argument(
+        "--force", action="store_true", help="let --json replace an existing file (never the run table)"
+    )
     fp.add_argument("--out", help="directory of the plot (default: next to the input)")
     fp.add_argument("--no-plot", action="store_true", help="skip the PNG")
     add_config_arguments(fp, FitConfig, FIT_FLAGS, show_defaults=True)

@@ -26,7 +26,7 @@ from tenx.scaling.fit.laws import LAWS, PARAM_BOUNDS, POWER_FORM, TIED_FORM, Fit
 from tenx.scaling.fit.plots import plot_fit
 from tenx.scaling.fit.solver import with_serial_blas
 from tenx.scaling.table import Points, Table, read_table
-from tenx.utils.io import atomic_write_json
+from tenx.utils.io import atomic_write_json, check_output_file
 
 _TARGET_KEYS = {
     "n": "N",
@@ -290,10 +290,13 @@ def run_fit(
     excess_params: bool = False,
     min_tokens_per_param: float = 0.0,
     max_residual: float = 0.05,
+    force: bool = False,
     **table_kw: Any,
 ) -> dict[str, Any]:
     """Fit a law to a run table; predict its holdout rows and target; write the report JSON and a PNG.
 
+    A `json_out` that exists is replaced only with `force`, and never when it is the run table itself (the
+    default path, OUT/INPUT_fit_LAW.json, is this command's own and rewritten each time).
     Returns the report as written, plus `result`: the FitResult itself (with its bootstrap samples).
     """
     if law not in LAWS:
@@ -304,6 +307,15 @@ def run_fit(
         raise ConfigError(f"--max-residual: must be >= 0 (0: keep every run), got {max_residual}")
     parsed_target = parse_target(target) if target is not None else None
     table = path_or_table if isinstance(path_or_table, Table) else read_table(path_or_table, **table_kw)
+    source = Path(table.path)
+    base = Path(out_dir) if out_dir is not None else source.parent
+    stem = f"{source.stem}_fit_{law}"
+    json_path = check_output_file(
+        json_out if json_out is not None else base / f"{stem}.json",
+        force=force or json_out is None,
+        flag="--json",
+        inputs=(source,),
+    )
     kw: dict[str, Any] = {"bootstrap": bootstrap, "seed": seed, "huber_delta": huber_delta}
     if law == "chinchilla":
         kw["tie_exponents"] = tie_exponents
@@ -361,9 +373,6 @@ def run_fit(
         if budget is None:
             budget = float(max(np.max(kept.fit.C), np.max(table.holdout.C, initial=0.0)))
         report["compute_optimal"] = compute_optimal(fit, budget)
-    source = Path(table.path)
-    base = Path(out_dir) if out_dir is not None else source.parent
-    stem = f"{source.stem}_fit_{law}"
     report["plot"] = None
     if plot:
         report["plot"] = str(
@@ -377,7 +386,6 @@ def run_fit(
                 title=f"{source.name}: {law} fit",
             )
         )
-    json_path = Path(json_out) if json_out is not None else base / f"{stem}.json"
     report["json"] = str(json_path)
     atomic_write_json(json_path, _jsonable(report))
     report["result"] = fit
