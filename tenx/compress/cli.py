@@ -109,9 +109,9 @@ def _compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", help=f"the compressed file, with one FILE (default FILE{SUFFIX})")
     add_threads_argument(
         p,
-        "torch threads while coding, recorded in the file: decompression uses as many (default 1, the most "
-        "portable: the logits differ in their last bits between thread counts; auto: the usable CPUs less "
-        "those other programs keep busy)",
+        "torch threads while coding, recorded in the file: decompression uses as many, at most its usable "
+        "CPUs (default 1, the most portable: the logits differ in their last bits between thread counts; "
+        "auto: the usable CPUs less those other programs keep busy)",
         default="1",
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; the file decodes on either")

@@ -45,6 +45,7 @@ from tenx.compress.container import (
     ADAPTIVE_VERSION,
     DEVICES,
     LINEAR_BITS,
+    MAX_THREADS,
     VERSION,
     CodecAdaptation,
     Header,
@@ -59,6 +60,7 @@ from tenx.eval.load import LoadedModel
 from tenx.model.transformer import Block, Transformer
 from tenx.rundir import step_dir_name
 from tenx.utils.cli import counted
+from tenx.utils.cpus import usable_cpu_count
 
 __all__ = ["CodecModel", "compress_bytes", "decompress_bytes", "decompress_many", "load_codec", "to_ids"]
 
@@ -214,7 +216,7 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
     vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec.model)
     pending = {i: stream.groups() for i, stream in enumerate(streams)}
     order = sorted(pending, key=lambda i: -streams[i].header.tokens)
-    threads = max([s.header.threads for s in streams], default=1)
+    threads = max([decode_threads(s.header, s.name) for s in streams], default=1)
     while any(pending.values()):
         batch: list[tuple[_Stream, np.ndarray]] = []
         rows = 0
@@ -370,8 +372,8 @@ def compress_bytes(
     `threads`: torch threads while coding (recorded; any count decodes a file of version 2 or 4). `adapt`: the
     output layer learns as it codes (format version 3, tenx/compress/adapt.py). `version` 1 writes the old
     kernel-dependent format, 2 the fixed-point rules with 15-bit linear layers (for tests of their readers)."""
-    if not 1 <= threads <= 255:
-        raise TenxError(f"--threads must be 1..255, got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise TenxError(f"--threads must be 1..{MAX_THREADS}, got {threads}")
     if adapt is not None:
         adapt.validate()
         if version not in (VERSION, ADAPTIVE_VERSION):
@@ -414,7 +416,22 @@ MAX_BYTES = 1 << 30
 """The largest original a `.tenx` file may claim unless the caller allows more (a forged header could
 otherwise make decompression allocate without bound)."""
 
-MAX_THREADS = 256
+
+def decode_threads(header: Header, name: str) -> int:
+    """The torch threads to decode a file with `header` on. Formats 2-4 decode alike on any count, so the
+    recorded one only caps it at this machine's usable CPUs: more threads than cores wait on each other (a
+    forged header asking for 255 made a 1.4 s decode take 90 s on 2 cores). Format 1's float32 kernels need
+    the recorded count itself, so one above the usable CPUs is refused, the field and the file named."""
+    cpus = usable_cpu_count()
+    if header.version != 1:
+        return min(header.threads, cpus)
+    if header.threads > cpus:
+        raise TenxError(
+            f"{name}: its header's threads field asks for {header.threads} torch threads, more than the {cpus} "
+            f"CPUs this process may use; a format-1 file decodes only on the count it was written with (at "
+            f"most {MAX_THREADS}): decompress it on a machine with {header.threads} CPUs"
+        )
+    return header.threads
 
 
 def decompress_bytes(
@@ -426,7 +443,7 @@ def decompress_bytes(
 ) -> bytes:
     """The original bytes of a `.tenx` blob, decoded with the model that compressed it (a run or checkpoint
     directory, or one loaded already); a TenxError for another model or tokenizer, a damaged blob, or one
-    that claims an original above `max_bytes` or more threads than MAX_THREADS."""
+    that claims an original above `max_bytes` or (format 1) more threads than this machine has CPUs."""
     header, codec = _opened(model, blob, name, max_bytes)
     if header.stored:
         return _verified(codec, header, blob[header.size :], name)
@@ -440,7 +457,7 @@ def decompress_bytes(
     decoder = constriction.stream.queue.RangeDecoder(_body(blob, header))
     budget = code_bits(header.words)
     try:
-        with _fixed_numerics(header.threads):
+        with _fixed_numerics(decode_threads(header, name)):
             _code(
                 codec, tokens, header.chunk, header.group, decoder, True, budget, header.version, header.adapt
             )
@@ -501,8 +518,7 @@ def _opened(
             f"{name} says its original is {header.length:,} bytes, above the limit of {max_bytes:,}; "
             "pass --max-bytes to allow it if you trust the file"
         )
-    if header.threads > MAX_THREADS:
-        raise TenxError(f"{name} is corrupt: it asks for {header.threads} threads (at most {MAX_THREADS})")
+    decode_threads(header, name)  # a format-1 file asking for more threads than CPUs: refused before loading
     codec = load_codec(model, device=header.device if header.version == 1 else "cpu")  # a loaded one: its own
     if header.version == 1 and codec.device.type != header.device:
         raise TenxError(f"{name} was compressed on {header.device}; load the model there to decompress it")

@@ -38,6 +38,9 @@ HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
 HEADER_BYTES = HEADER.size + 8
 """A header's bytes, its checksum included, in versions 1, 2 and 4 (version 3: SETTINGS.size more)."""
 DEVICES = ("cpu", "cuda")
+MAX_THREADS = 255
+"""The most torch threads a header records (its one byte) and `tenx compress --threads` writes. Only format
+version 1 decodes on the recorded count; the others decode alike on any (tenx.compress.codec.decode_threads)."""
 MAX_EVERY = 4096
 """The most positions between two updates of an adaptive file."""
 SETTINGS = struct.Struct("<dI")
