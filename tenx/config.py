@@ -307,7 +307,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         is_file = path.is_file()
     except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
-        raise ConfigError(f"config file {_show(str(path))} cannot be used: {e}") from None
+        raise ConfigError(f"config file {str(path)!r} cannot be used: {e}") from None  # the whole path
     if not is_file:
         if path.exists():
             raise ConfigError(f"config file {path} is not a regular file; give a .toml file")

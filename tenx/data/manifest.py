@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import reprlib
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,7 +46,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     try:
         is_dir, is_file = data_dir.is_dir(), path.is_file()
     except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
-        raise DataError(f"data directory {_show(str(data_dir))} cannot be used: {e}") from None
+        raise DataError(f"data directory {str(data_dir)!r} cannot be used: {e}") from None  # the whole path
     if not is_dir:
         what = "is not a directory" if data_dir.exists() else "does not exist"
         raise DataError(
@@ -53,7 +54,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         )
     if not is_file:
         what = "is not a regular file" if path.exists() or path.is_symlink() else "is missing"
-        raise DataError(f"{path} {what}; run `tenx data prepare --source ... --out {data_dir}` first")
+        raise DataError(f"{path} {what}; run `{prepare_command(data_dir)}` first")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -81,6 +82,11 @@ _REPR.maxlevel = 3
 def _show(value: Any) -> str:
     """repr of a value for a message, cut short when long or deep."""
     return _REPR.repr(value)
+
+
+def prepare_command(data_dir: str | Path) -> str:
+    """The `tenx data prepare` command line that writes `data_dir`, its path quoted for a shell."""
+    return f"tenx data prepare --source ... --out {shlex.quote(str(data_dir))}"
 
 
 class ManifestFieldError(Exception):
@@ -153,7 +159,7 @@ def check_tokenizer_entry(entry: Any, dtype: str | None = None, where: str = "to
 def check_manifest(manifest: Any, path: str | Path = MANIFEST_NAME) -> None:
     """Check the structure of a parsed manifest: every field readers use, its type and its range, file names
     that stay inside the data directory, and counts that add up. DataError names `path` and the field."""
-    rerun = f"re-run `tenx data prepare --source ... --out {Path(path).parent}`"
+    rerun = f"re-run `{prepare_command(Path(path).parent)}`"
     if not isinstance(manifest, dict):
         raise DataError(f"{path} does not hold a JSON object; {rerun}")
     if manifest.get("format") != FORMAT:

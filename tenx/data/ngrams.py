@@ -25,6 +25,7 @@ import argparse
 import io
 import json
 import re
+import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +205,7 @@ def load_index(
     naming the file when it is missing, corrupt, or stale (built from other shards than the manifest lists)."""
     data_dir = Path(data_dir)
     path, sidecar_path = index_paths(data_dir, n, split, index_dir)
-    rebuild = f"`tenx data index {data_dir} --n {n}` rebuilds it"
+    rebuild = f"`{shlex.join(['tenx', 'data', 'index', str(data_dir), '--n', str(n)])}` rebuilds it"
     manifest = read_manifest(data_dir)
     for file in (sidecar_path, path):
         if regular_file_size(file) is None:  # never opens a FIFO or device

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from tenx.data.codebase import CODEBASE_SKIP_REASONS, DEFAULT_MAX_FILE_BYTES
@@ -168,6 +169,13 @@ def _dataset(text: str) -> str:
     directory)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name a split or a file or directory of text, got {text!r}")
+    try:
+        os.stat(os.path.expanduser(text))
+    except (FileNotFoundError, NotADirectoryError):  # a split's name, hf:NAME, or a path said missing later
+        pass
+    except (OSError, ValueError) as e:  # a name too long for the file system, an embedded NUL byte
+        why = getattr(e, "strerror", None) or e
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be used as a path ({why})") from None
     return text
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.emit:
         path = emit_train_job(args, cfg, config_path, run_dir, overrides)
         print(
-            f"wrote {path}: submit it with `sbatch {path}`; the job trains {run_dir} (its log: slurm-JOBID.out)"
+            f"wrote {path}: submit it with `sbatch {shlex.quote(str(path))}`; the job trains {run_dir} (its log: "
+            "slurm-JOBID.out)"
         )
         return
     if args.supervise:
@@ -97,7 +99,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"already trained to step {trainer.step} of {trainer.total_steps}; nothing to do")
     if os.environ.get(SUPERVISED_ENV) != "1":  # a supervisor prints the whole run's, once, when it ends
         print(format_goodput(compute_goodput(run_dir)))
-    print(f"run directory: {run_dir}  (metrics: {RunDir(run_dir).metrics}, status: tenx status {run_dir})")
+    status = shlex.join(["tenx", "status", str(run_dir)])
+    print(f"run directory: {run_dir}  (metrics: {RunDir(run_dir).metrics}, status: {status})")
 
 
 def _emit_flags_given(args: argparse.Namespace) -> dict[str, bool]:

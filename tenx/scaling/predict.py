@@ -11,6 +11,7 @@ The file format is tenx.monitor.prediction_file's (versioned); the monitor watch
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def predict_from_ladder(
     runs = ladder_dir / "runs"
     if not runs.is_dir():
         raise TenxError(
-            f"{ladder_dir}: not a ladder directory (no runs/ folder); run `tenx ladder --out {ladder_dir}` first"
+            f"{ladder_dir}: not a ladder directory (no runs/ folder); run `tenx ladder --out {shlex.quote(str(ladder_dir))}` first"
         )
     curves = ladder_curves(runs, quantity)
     prior, said = _curves_prior(prior_curves, law) if prior_curves is not None else (None, {})
