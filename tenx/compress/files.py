@@ -14,7 +14,7 @@ from tenx.compress.container import CodecAdaptation, read_header
 from tenx.compress.model import CodecModel, load_codec
 from tenx.errors import TenxError
 from tenx.eval.load import LoadedModel
-from tenx.utils.io import atomic_write_bytes, check_output_file
+from tenx.utils.io import atomic_write_bytes, check_output_file, regular_input_file
 
 
 def compress_file(
@@ -102,8 +102,10 @@ def decompress_files(
 
 
 def _read(src: str | Path, dst: str | Path, force: bool) -> bytes:
-    """`src`'s bytes, once `dst` is known to be a file this command may write: not a directory, not `src`
-    itself (even with `force`), and an existing file only with `force`."""
+    """`src`'s bytes, once `src` is known to be a regular file (a FIFO would block, /dev/zero never end) and
+    `dst` a file this command may write: not a directory, not `src` itself (even with `force`), an existing
+    file only with `force`, nothing else that is not a regular file but a character device (/dev/null)."""
+    regular_input_file(src)
     check_output_file(dst, force=force, inputs=(src,))
     try:
         return Path(src).read_bytes()

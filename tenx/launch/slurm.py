@@ -81,6 +81,8 @@ class SlurmJob:
 def sbatch_header(job: SlurmJob) -> list[str]:
     """The script's first lines: the interpreter and every `#SBATCH` directive (values checked)."""
     job.validate()
+    # the log directory first: a job named after it (a run directory's last part) is refused naming the whole path
+    log_dir = sbatch_value(Path(job.log_dir).absolute(), job.flag("log_dir"))
     gpus = job.nproc_per_node if job.gpus_per_node is None else job.gpus_per_node
     lines = [
         "#!/bin/bash",
@@ -95,7 +97,6 @@ def sbatch_header(job: SlurmJob) -> list[str]:
         lines.append(f"#SBATCH --partition={sbatch_value(job.partition, job.flag('partition'))}")
     if job.time is not None:
         lines.append(f"#SBATCH --time={sbatch_value(job.time, job.flag('time'))}")
-    log_dir = sbatch_value(Path(job.log_dir).absolute(), job.flag("log_dir"))
     return [
         *lines,
         "#SBATCH --requeue",
@@ -169,6 +170,5 @@ def write_job_script(path: str | Path, text: str) -> Path:
     """Write a job script atomically, executable; returns its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, text + "\n")
-    path.chmod(0o755)
+    atomic_write_text(path, text + "\n", mode=0o755)
     return path

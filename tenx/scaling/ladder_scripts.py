@@ -75,8 +75,7 @@ def emit_launch(
         ]
         lines += ["# evaluate the finished runs and write results.jsonl", collect]
         path = out_dir / "torchrun.sh"
-        atomic_write_text(path, "\n".join(lines) + "\n")
-        path.chmod(0o755)
+        atomic_write_text(path, "\n".join(lines) + "\n", mode=0o755)
         return [path]
     scripts = []
     for run, run_dir, train_args in runs:
@@ -95,6 +94,5 @@ def emit_launch(
         f"--wrap {shlex.quote(collect)}",
     ]
     path = out_dir / "submit.sh"
-    atomic_write_text(path, "\n".join(submit) + "\n")
-    path.chmod(0o755)
+    atomic_write_text(path, "\n".join(submit) + "\n", mode=0o755)
     return [*scripts, path]

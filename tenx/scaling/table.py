@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
-from tenx.utils.io import jsonl_records
+from tenx.utils.io import jsonl_records, regular_input_file
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge,
@@ -176,6 +176,7 @@ def _read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         raise DataError(
             f"{path}: no such file; give a .csv, a .jsonl or a ladder directory with results.jsonl"
         )
+    regular_input_file(path, "run table")
     rows: list[tuple[int, dict[str, Any]]] = []
     if path.suffix.lower() == ".csv":
         with open(path, newline="", encoding="utf-8") as f:

@@ -9,8 +9,9 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,18 +46,111 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the complete new one."""
+_FILE_TYPES = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISLNK, "symbolic link"),
+)
+
+
+def file_type(mode: int) -> str:
+    """What an `st_mode` is, in words: "regular file", "directory", "FIFO" (a named pipe), "socket", ..."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    return next((words for test, words in _FILE_TYPES if test(mode)), "special file")
+
+
+def _mode(path: str | os.PathLike[str]) -> int | None:
+    """`path`'s st_mode, following links (os.stat: it never opens the file), or None when nothing is there."""
+    try:
+        return os.stat(path).st_mode
+    except OSError:  # missing, or a dangling or looping link: a rename replaces the link itself
+        return None
+
+
+def regular_input_file(path: str | os.PathLike[str], what: str = "input") -> Path:
+    """`path` once os.stat shows it is a regular file (a link: its target), or a DataError naming the type.
+
+    Checked without opening it: opening a FIFO blocks until a writer comes, and a device such as /dev/zero
+    never ends, so an input that is not a regular file is refused before anything reads it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise DataError(f"cannot read the {what} {os.fspath(path)}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(
+            f"the {what} {os.fspath(path)} is a {file_type(mode)}, not a regular file: name a regular file"
+        )
+    return Path(path)
+
+
+def _writes_through(path: Path) -> bool:
+    """Whether an output `path` is written in place (a character device such as /dev/null, as xz and cat
+    write to it) rather than replaced by a rename; a TenxError naming the type for any other existing path
+    that is not a regular file (a FIFO, socket, block device or directory is never replaced, and a FIFO
+    with no reader would block)."""
+    mode = _mode(path)
+    if mode is None or stat.S_ISREG(mode):
+        return False
+    if stat.S_ISCHR(mode):
+        return True
+    raise TenxError(
+        f"{path} is a {file_type(mode)}, not a regular file: tenx writes regular files (or a character "
+        "device such as /dev/null, written through) and never replaces anything else; choose another output"
+    )
+
+
+def _write_through(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` into the character device `path` in place (opened non-blocking, then checked again on
+    the open descriptor: what replaced it since the check is refused, never blocked on)."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISCHR(mode):
+            raise TenxError(f"{path} became a {file_type(mode)} while being written: choose another output")
+        os.set_blocking(fd, True)
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def publish_file(tmp: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
+    """Put the finished file `tmp` in place as its sibling `final`, by a rename, the one way tenx replaces a
+    file. A `final` that is a character device (/dev/null) is written through instead (`tmp` copied into
+    it, then deleted); any other existing `final` that is not a regular file is refused, its type named
+    (`tmp` is left to the caller), never replaced."""
+    final = Path(final)
+    if _writes_through(final):
+        with open(tmp, "rb") as f:
+            _write_through(final, iter(lambda: f.read(_CHUNK), b""))
+        os.unlink(tmp)
+        return
+    os.replace(tmp, final)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = FILE_MODE) -> None:
+    """Write `data` to `path` so that readers see either the old file or the complete new one; `mode`: the
+    new file's permissions. A character device (/dev/null) is written through, and any other existing path
+    that is not a regular file is refused (TenxError naming its type): renaming over it would replace it."""
     path = Path(path)
+    if _writes_through(path):  # checked before the temporary file is written, and again by publish_file
+        _write_through(path, [data])
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, FILE_MODE)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish_file(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -73,9 +167,9 @@ def atomic_write_png(path: str | os.PathLike[str], figure: Any) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Atomically write UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = FILE_MODE) -> None:
+    """Atomically write UTF-8 text (as atomic_write_bytes; `mode`: the new file's permissions)."""
+    atomic_write_bytes(path, text.encode("utf-8"), mode=mode)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
@@ -378,11 +472,17 @@ def check_output_file(
 ) -> Path:
     """`path` as a file a command may write (atomically, after this check), or a TenxError naming `flag`:
     a directory (or a path ending in a separator) is not a file; an existing file is replaced only with
-    `force`, and never when it is one of the command's `inputs` (the same file, whatever the spelling)."""
+    `force`, and never when it is one of the command's `inputs` (the same file, whatever the spelling).
+    A character device (/dev/null) is written through, with or without `force` (nothing is replaced); any
+    other path that is not a regular file (a FIFO, a socket, a block device) is refused, its type named."""
     text = os.fspath(path)
     out = Path(text)
     if not text or text.endswith(os.sep) or out.is_dir():
         raise TenxError(f"{flag} {text or repr(text)} is a directory, not a file: name the file to write")
+    try:
+        through = _writes_through(out)
+    except TenxError as e:
+        raise TenxError(f"{flag} {e}") from None
     for given in inputs:
         try:
             same = out.exists() and os.path.samefile(out, given)
@@ -390,7 +490,7 @@ def check_output_file(
             same = False
         if same or out.resolve() == Path(given).resolve():
             raise TenxError(f"{flag} {text} is the command's own input {given}: choose another output file")
-    if (out.exists() or out.is_symlink()) and not force:
+    if (out.exists() or out.is_symlink()) and not force and not through:
         raise TenxError(f"{text} exists; pass --force to replace it, or choose another {flag}")
     return out
 
@@ -409,17 +509,12 @@ def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
     """The bytes of `path`, a regular file (links followed) of at most `limit` bytes, or a TenxError naming the
     path and what it is instead: a FIFO, device, socket or directory is refused unopened (opened without
     blocking and checked again, so one swapped in meanwhile is refused too), and a larger file unread."""
-    import stat
-
-    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory"}  # fmt: skip
 
     def check(mode: int, size: int) -> None:
         if not stat.S_ISREG(mode):
-            what = next(
-                (name for test, name in kinds.items() if test(mode)), "neither a file nor a directory"
+            raise TenxError(
+                f"{path}: is a {file_type(mode)}, not a regular file; tenx reads only regular files here"
             )
-            raise TenxError(f"{path}: is {what}, not a regular file; tenx reads only regular files here")
         if size > limit:
             raise TenxError(
                 f"{path}: {format_bytes(size)}, more than the {format_bytes(limit)} tenx reads of such a file"

@@ -31,6 +31,7 @@ import numpy as np
 from tenx.data.prepare import stream
 from tenx.errors import ConfigError, DataError
 from tenx.utils.cpus import usable_cpu_count
+from tenx.utils.io import publish_file
 
 TASK = np.dtype([("seq", "<u8"), ("code", "u1"), ("num_bytes", "<u8"), ("digest", "V16")])
 OUTCOMES = ("kept", "kept-replaced", "empty_skipped", "binary_skipped")
@@ -44,7 +45,7 @@ def _publish(paths: list[Path]) -> None:
     for path in paths:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        path.replace(path.with_name(path.name.removesuffix(".tmp")))
+        publish_file(path, path.with_name(path.name.removesuffix(".tmp")))
 
 
 def scan_task(cfg: Any, rank: int, world: int) -> None:
@@ -441,8 +442,8 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
         raise ConfigError(
             f"{path} is a directory; the script goes there: move it away or choose another --out"
         )
-    if path.exists() and "#SBATCH --job-name=tenx-prepare-" not in path.read_text(errors="replace"):
+    # a path that is not a regular file is never read (a FIFO blocks): atomic_write_text refuses or writes through
+    if path.is_file() and "#SBATCH --job-name=tenx-prepare-" not in path.read_text(errors="replace"):
         raise ConfigError(f"{path} exists and tenx did not write it; move it away or choose another --out")
-    atomic_write_text(path, text + "\n")
-    path.chmod(0o755)
+    atomic_write_text(path, text + "\n", mode=0o755)
     return path

@@ -32,7 +32,7 @@ from tenx.data.ngrams import (
     index_paths,
     sorted_unique,
 )
-from tenx.utils.io import atomic_write_json
+from tenx.utils.io import atomic_write_json, publish_file
 
 PARTITION_HASHES = 1 << 24
 """Hashes per partition aimed at (128 MiB of uint64): the memory of the partitioned steps."""
@@ -192,7 +192,7 @@ def write_index(
             digest.update(data)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(path)
+    publish_file(tmp, path)
     atomic_write_json(
         sidecar,
         {

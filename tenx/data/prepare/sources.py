@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import DataError
+from tenx.utils.io import regular_input_file
 
 DEFAULT_PATTERNS: list[str] = ["**/*.py", "**/*.md", "**/*.txt"]
 """Glob patterns used for a directory source when none are given."""
@@ -67,6 +68,7 @@ def source_kind(spec: str) -> str:
         return "dir"
     if not path.exists():
         raise DataError(f"data source {spec!r} does not exist; accepted forms: {ACCEPTED_FORMS}")
+    regular_input_file(path, "data source")  # a FIFO would block, /dev/zero never end
     kind = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}.get(path.suffix.lower())
     if kind is None:
         raise DataError(f"data source {spec!r} has an unknown suffix; accepted forms: {ACCEPTED_FORMS}")

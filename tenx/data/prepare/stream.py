@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from tenx.data.manifest import INDEX_DTYPE
 from tenx.errors import DataError
-from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash
+from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash, publish_file
 
 WORK_DIR = ".prepare-work"
 ROW = np.dtype([("seq", "<u8"), ("num_bytes", "<u8"), ("digest", "V16")])
@@ -524,7 +524,7 @@ class ShardWriter:
         self._file = None
         index = np.asarray(self._starts, dtype=INDEX_DTYPE).tobytes()
         atomic_write_bytes(self.out / f"{stem}.idx", index)
-        self._path.replace(self.out / f"{stem}.bin")
+        publish_file(self._path, self.out / f"{stem}.bin")
         self.shards.append(
             {
                 "file": f"{stem}.bin",
