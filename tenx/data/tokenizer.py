@@ -236,6 +236,7 @@ def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) ->
                 f"tokenizer file {path} is not a Hugging Face tokenizer ({_first_line(e)}); "
                 "re-run `tenx data prepare`"
             ) from None
+        check_tokenizer_regexes(hf, path)
         tokenizer = BPETokenizer(hf)
     if (tokenizer.vocab_size, tokenizer.eot_id) != (entry["vocab_size"], entry["eot_id"]):
         raise DataError(
@@ -257,6 +258,7 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
         hf = HFTokenizer.from_str(path.read_bytes().decode("utf-8"))
     except Exception as e:  # OSError, UnicodeDecodeError, or the plain Exception `tokenizers` raises
         raise DataError(f"{path} is not a Hugging Face tokenizer ({_first_line(e)})") from None
+    check_tokenizer_regexes(hf, path)
     kind = type(hf.model).__name__
     if kind != "BPE":
         raise DataError(
@@ -277,6 +279,20 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
         # special, as in tenx's own BPE (it stands for no bytes); its id stays the vocabulary's
         hf.add_special_tokens([EOT_TEXT])
     return BPETokenizer(hf)
+
+
+def check_tokenizer_regexes(hf: HFTokenizer, path: Path) -> None:
+    """Refuse a tokenizer holding a regular expression that can backtrack exponentially (which byte-level BPE
+    patterns never do; tenx/data/tokenizer_regex.py), naming the pattern, before any text is encoded."""
+    from tenx.data.tokenizer_regex import backtracking_problem, tokenizer_regexes
+
+    for where, pattern in tokenizer_regexes(hf.to_str()):
+        problem = backtracking_problem(pattern)
+        if problem:
+            raise DataError(
+                f"{path}: {where} regex {pattern[:200]!r} is refused: {problem}; byte-level BPE patterns "
+                "(GPT-2's, Llama 3's, Qwen's) repeat only single characters and classes"
+            )
 
 
 ROUND_TRIP_SAMPLE_BYTES = 4 << 20

@@ -147,12 +147,13 @@ def ordered_map(
         with context.Pool(workers, initializer=_guarded_init, initargs=(initializer, initargs)) as pool:
             pending: collections.deque = collections.deque()
             try:
+                seen: dict[int, Any] = {p.pid: p for p in getattr(pool, "_pool", ())}  # see _result
                 for item in items:
                     pending.append(pool.apply_async(_guarded_call, (fn, item)))
                     if len(pending) >= 2 * workers:
-                        yield pending.popleft().get()
+                        yield _result(pending.popleft(), pool, seen)
                 while pending:
-                    yield pending.popleft().get()
+                    yield _result(pending.popleft(), pool, seen)
             except BaseException:
                 # Leaving the `with` terminates the workers. One killed while writing its result keeps the
                 # result queue's lock, and Pool.terminate then waits on that lock forever (seen once in the
@@ -186,7 +187,45 @@ def _guarded_init(initializer: Callable[..., None] | None, initargs: tuple) -> N
 def _guarded_call(fn: Callable[[Any], Any], item: Any) -> Any:
     if _INIT_ERROR:
         raise _INIT_ERROR[0]
-    return fn(item)
+    try:
+        return fn(item)
+    except Exception:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) would kill the worker
+        # A Pool catches only Exception: anything else ends the worker, its task is never answered, and the
+        # main process would wait for ever. Hand it back as an error the main process can raise.
+        raise DataError(
+            f"a `tenx data prepare` worker failed ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+_POLL_S = 1.0
+"""How often a waiting ordered_map checks that its workers are alive."""
+
+
+def _result(result: Any, pool: Any, seen: dict[int, Any]) -> Any:
+    """The value of an ordered_map task, or DataError when a worker died meanwhile (killed by a signal, out of
+    memory, a crash in native code): its task would never be answered, and a Pool waits for ever."""
+    while True:
+        try:
+            return result.get(_POLL_S)
+        except multiprocessing.TimeoutError:
+            pass
+        for process in list(getattr(pool, "_pool", ())):  # the Pool replaces a dead worker and forgets it
+            seen.setdefault(process.pid, process)
+        for process in seen.values():
+            code = process.exitcode
+            if code is not None and code != 0:
+                how = f"signal {-code}" if code < 0 else f"exit status {code}"
+                raise DataError(
+                    f"a `tenx data prepare` worker process died ({how}; out of memory?) and its batch was lost; "
+                    "re-run the same command to resume"
+                )
 
 
 def _batches(docs: Iterable[tuple[int, Any, Any]]) -> Iterator[list[tuple[int, Any, Any]]]:
@@ -409,12 +448,46 @@ def _tokenize_init(data_dir: str, entry: dict[str, Any], dtype: str) -> None:
 def _tokenize_batch(batch: list[tuple[int, str, Any]]) -> list[bytes]:
     tokenizer, dtype = _TOKENIZE["tokenizer"], _TOKENIZE["dtype"]
     out = []
-    for ids in tokenizer.encode_batch([_clean(data) for _, _, data in batch]):
+    texts = [_clean(data) for _, _, data in batch]
+    try:
+        encoded = tokenizer.encode_batch(texts)
+    except BaseException as e:  # noqa: BLE001 - a panic inside `tokenizers` (PanicException) is no Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise DataError(_encode_failure(tokenizer, batch, e)) from None
+    for ids in encoded:
         tokens = np.empty(len(ids) + 1, dtype=dtype)
         tokens[:-1] = ids
         tokens[-1] = tokenizer.eot_id
         out.append(tokens.tobytes())
     return out
+
+
+def _encode_failure(tokenizer: Any, batch: list[tuple[int, str, Any]], error: BaseException) -> str:
+    """The message for a batch the tokenizer failed to encode: the documents, the error, and the tokenizer's
+    regular expressions (Oniguruma's retry limit, reached on a pattern that backtracks, is the usual cause)."""
+    from tenx.data.tokenizer_regex import tokenizer_regexes
+
+    to_json = getattr(tokenizer, "to_json", None)
+    patterns = [p for _, p in tokenizer_regexes(to_json())] if to_json else []
+    first = batch[0][1] if batch else "?"
+    for _, doc_id, data in batch:  # name the document it fails on
+        try:
+            tokenizer.encode(_clean(data))
+        except BaseException as e:  # noqa: BLE001 - as in _tokenize_batch
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            first, error = doc_id, e
+            break
+    named = (
+        f"; its regex {patterns[0][:200]!r} may backtrack on them"
+        if len(patterns) == 1
+        else (f"; its regexes {[p[:100] for p in patterns]!r} may backtrack on them" if patterns else "")
+    )
+    return (
+        f"the tokenizer failed on document {first!r} ({_first_line(error)}){named}; "
+        "use a tokenizer whose pre-tokenizer patterns repeat only single characters and classes"
+    )
 
 
 def tokenize(
