@@ -421,3 +421,20 @@ def test_the_submit_command_quotes_the_script(tmp_path, monkeypatch, capsys):
     said = capsys.readouterr().out
     command = said.split("submit it with `")[1].split("`;")[0]
     assert shlex.split(command) == ["sbatch", script] and not list(tmp_path.rglob("PWNED"))
+
+
+def test_derisk_and_incident_suggestions_quote_the_run_path(tmp_path):
+    from tenx.scaling.derisk import read_result
+    from tenx.triage.incident_store import IncidentStore
+
+    hostile = tmp_path / "study $(touch PWNED) `x`"
+    hostile.mkdir()
+    with pytest.raises(TenxError) as missing:
+        read_result(hostile)
+    assert f"run `tenx derisk ... --out {shlex.quote(str(hostile))}` first" in str(missing.value)
+    (hostile / "events.jsonl").write_text("")
+    with IncidentStore(hostile) as store, pytest.raises(TenxError) as absent:
+        store.get(7)
+    said = str(absent.value).split("; `", 1)[1].removesuffix("` lists them")
+    assert shlex.split(said) == ["tenx", "incidents", str(hostile)]
+    assert not list(tmp_path.rglob("PWNED"))

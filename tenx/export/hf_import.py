@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -516,12 +517,12 @@ def init_from_hf(hf_dir: str | Path, cfg: Any) -> tuple[InitFromHF, list[str]]:
         raise TenxError(
             f"{hf.directory} has no {BPE_FILE}, so nothing shows that {data} was tokenized the way the model "
             f"was trained: put the model's {BPE_FILE} in {hf.directory} and prepare the data with "
-            f"`tenx data prepare ... --tokenizer-from {hf.directory}`"
+            f"`tenx data prepare ... --tokenizer-from {shlex.quote(str(hf.directory))}`"
         )
     if entry.get("xxhash") != tokenizer_digest(hf.directory):
         raise TenxError(
             f"{data} was not tokenized with {tokenizer}: prepare it again with "
-            f"`tenx data prepare ... --tokenizer-from {hf.directory}`"
+            f"`tenx data prepare ... --tokenizer-from {shlex.quote(str(hf.directory))}`"
         )
     fields = [*MODEL_FIELDS, "seq_len"]
     return InitFromHF(hf), [f"model.{k}={json.dumps(getattr(model, k))}" for k in fields]

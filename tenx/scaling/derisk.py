@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -592,5 +593,5 @@ def read_result(out: str | Path) -> dict[str, Any]:
     """derisk.json of a finished study."""
     path = Path(out) / "derisk.json"
     if not path.exists():
-        raise TenxError(f"{path} does not exist; run `tenx derisk ... --out {out}` first")
+        raise TenxError(f"{path} does not exist; run `tenx derisk ... --out {shlex.quote(str(out))}` first")
     return json.loads(path.read_text())

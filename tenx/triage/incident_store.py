@@ -19,6 +19,7 @@ so a damaged or hostile file is reported (TenxError), never trusted.
 from __future__ import annotations
 
 import json
+import shlex
 import sqlite3
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
@@ -294,7 +295,7 @@ class IncidentStore:
         what = what if incident is None else f"{self.path}: incident {incident!r} has a malformed {why}"
         return TenxError(
             f"{what}; the file is derived from {self.run.events}: delete it and run "
-            f"`tenx incidents {self.run.root}` to rebuild it (triage results are lost)"
+            f"`{shlex.join(['tenx', 'incidents', str(self.run.root)])}` to rebuild it (triage results are lost)"
         )
 
     def _open_schema(self) -> None:
@@ -422,7 +423,9 @@ class IncidentStore:
         """Incident `incident_id`."""
         found, root = self._select("WHERE id = ?", (int(incident_id),)), self.run.root
         if not found:
-            raise TenxError(f"no incident {incident_id} in {root}; `tenx incidents {root}` lists them")
+            raise TenxError(
+                f"no incident {incident_id} in {root}; `{shlex.join(['tenx', 'incidents', str(root)])}` lists them"
+            )
         return found[0]
 
     def record_triage(
