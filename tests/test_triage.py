@@ -302,7 +302,7 @@ def test_an_op_is_not_judged_where_one_rounding_of_its_inputs_changes_its_result
     """A softmax over a diverged model's logits (~1e9, float32 spacing 64): one rounding of its inputs
     swaps which logit wins, so no float32 kernel can be held to float64 there; on ordinary logits the
     same wrong output is still a fault."""
-    from tenx.triage.bisect import ILL_CONDITIONED, check_op
+    from tenx.triage.opcheck import ILL_CONDITIONED, check_op
 
     softmax = torch.ops.aten._softmax.default
     gen = torch.Generator().manual_seed(0)

@@ -18,7 +18,8 @@ from tenx.train.guard import GuardConfig, StepGuard
 from tenx.train.run import train
 from tenx.triage.bisect import OpChecker
 from tenx.triage.classify import triage
-from tenx.triage.repro import in_backward, run_repro
+from tenx.triage.opcheck import in_backward
+from tenx.triage.repro import run_repro
 
 LLAMA = ("model.family='llama'", "model.depth=3", "model.d_model=96", "model.head_dim=32")
 DIVERGING = (  # the reproduction: no clipping, a short guard window, a tight spike test

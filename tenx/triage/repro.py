@@ -16,7 +16,8 @@ import torch
 
 from tenx.errors import TenxError
 from tenx.rundir import REPRO_INPUTS, REPRO_META, REPRO_SCRIPT
-from tenx.utils.io import atomic_write_text
+from tenx.triage.opcheck import in_backward, misbehaves, op_name
+from tenx.utils.io import atomic_write_text, publish_file
 
 REPRO_SOURCE = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
 
@@ -45,8 +46,6 @@ def write_repro(
     """Write the operator's tensor inputs (safetensors), its other arguments (JSON) and a script."""
     from safetensors.torch import save_file
 
-    from tenx.triage.bisect import op_name
-
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors, spec = {}, []
     for i, a in enumerate(args):
@@ -57,7 +56,7 @@ def write_repro(
             spec.append({"value": a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)})
     staged = out_dir / f".{REPRO_INPUTS}.tmp"
     save_file(tensors, str(staged))
-    staged.replace(out_dir / REPRO_INPUTS)
+    publish_file(staged, out_dir / REPRO_INPUTS)
     meta = {
         "op": op_name(func),
         "args": spec,
@@ -79,7 +78,6 @@ def run_repro(folder: Path) -> int:
 
     from tenx.train.callbacks.faults import parse_fault
     from tenx.train.callbacks.opbug import OpBug
-    from tenx.triage.bisect import misbehaves
 
     meta = json.loads((folder / REPRO_META).read_text())
     name = str(meta["op"])
@@ -101,21 +99,3 @@ def run_repro(folder: Path) -> int:
             problem = misbehaves(func, args, kwargs)
     print(f"{name} on {folder / REPRO_INPUTS}: " + (problem or "agrees with float64"))
     return 1 if problem else 0
-
-
-def in_backward(fn: Any) -> Any:
-    """`fn()` called while autograd runs a backward node (as an operator of a backward pass sees it)."""
-    result: list[Any] = []
-
-    class _Node(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            result.append(fn())
-            return grad
-
-    _Node.apply(torch.zeros((), requires_grad=True)).backward()
-    return result[0]
