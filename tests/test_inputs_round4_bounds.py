@@ -136,3 +136,152 @@ def test_a_killed_worker_ends_prepare_with_an_error(aaa_source, tmp_path, monkey
     err = capsys.readouterr().err
     assert "worker process died (signal 9" in err
     assert time.monotonic() - started < 60  # hang guard
+
+
+# ----- item 7: eval --split DIR: globs, deep trees, long files -----------------------------------------------
+
+
+def _gitignored(text: str, path: str) -> bool:
+    from tenx.data.codebase import parse_gitignore
+
+    verdict = False
+    for rule in parse_gitignore(text):
+        if rule.regex.fullmatch(path):
+            verdict = not rule.negated
+    return verdict
+
+
+def test_many_double_star_segments_match_in_linear_time():
+    deep = "/".join(["a"] * 1100)
+    started = time.monotonic()
+    assert not _gitignored("**/" * 20 + "x", deep)  # 20 segments: hung (14 took 111 s)
+    assert _gitignored("**/" * 20 + "a", deep)
+    assert not _gitignored("/".join(["a/**"] * 20) + "/b", deep)
+    assert not _gitignored("*a" * 30 + "*b", "a" * 250)  # many stars in one name
+    assert _gitignored("*a" * 30 + "*", "a" * 250)
+    assert time.monotonic() - started < 5  # hang guard
+
+
+def test_include_exclude_globs_are_linear_too(tmp_path):
+    from tenx.data.codebase import read_codebase
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("print(1)\n")
+    (tmp_path / "src" / "b.txt").write_text("hello\n")
+    started = time.monotonic()
+    found = read_codebase(tmp_path, include=["**/" * 20 + "*.py"], exclude=["**/" * 20 + "*.c"])
+    assert [f.path for f in found.files] == ["src/a.py"]
+    assert time.monotonic() - started < 5  # hang guard
+
+
+def test_a_deep_tree_is_walked_and_what_is_too_deep_counted(tmp_path):
+    from tenx.data.codebase import MAX_DEPTH, read_codebase
+
+    root = tmp_path / "tree"
+    (root / "top.txt").parent.mkdir()
+    (root / "top.txt").write_text("top\n")
+    fd = os.open(root, os.O_RDONLY)
+    try:  # 1,100 nested directories, made relative to each one's parent (the full path is too long for open)
+        for _ in range(1100):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        with open(os.open("deep.txt", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+            f.write("deep\n")
+    finally:
+        os.close(fd)
+    (root / "d" / "d" / "near.txt").write_text("near\n")
+    try:
+        found = read_codebase(root)  # RecursionError before
+        assert [f.path for f in found.files] == ["d/d/near.txt", "top.txt"]
+        assert found.skipped == {"too_deep": 1}
+        assert found.skipped_examples["too_deep"][0].count("/") == MAX_DEPTH
+    finally:  # flatten the tree: shutil.rmtree (pytest's clean-up) recurses too
+        todo, k = [root / "d"], 0
+        while todo:
+            parent = todo.pop()
+            if (parent / "d").is_dir():
+                os.rename(parent / "d", root / f"x{k}")
+                todo += [root / f"x{k}"]
+                k += 1
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_data, tiny_config, tmp_path_factory) -> Path:
+    from tenx.train.run import train
+
+    out = tmp_path_factory.mktemp("round4") / "run"
+    train(tiny_config(tiny_data, "train.steps=4", "train.eval_every=0", "checkpoint.every=4"), out)
+    return out
+
+
+def test_a_long_file_is_encoded_in_pieces_with_the_same_tokens(monkeypatch):
+    from tenx.eval import documents
+
+    tokenizer = train_bpe(["def f(x):\n    return x + 1\n", "class A:\n    pass\n"] * 50, 400)
+    text = "".join(
+        f"def f{i}(x):\n    return x * {i}  # line {i}\nvalue_{i} = f{i}(2)\n" for i in range(3000)
+    )
+    monkeypatch.setattr(documents, "ENCODE_CHARS", 1000)
+    assert len(documents._pieces(text)) > 50
+    (ids,) = documents.encode_texts(tokenizer, [text])
+    assert ids.tolist() == tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_a_long_evaluation_prints_progress(tiny_run, tmp_path, monkeypatch, capsys):
+    """`--max-file-bytes 0` on a large file: minutes of scoring on a CPU now say how far they got (a line
+    every PROGRESS_S where stderr is a log; here every batch)."""
+    from tenx.eval import bpb
+
+    monkeypatch.setattr(bpb, "PROGRESS_S", 0.0)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "big.py").write_text("x = compute(1, 2)  # a line of code\n" * 3000)  # 108 KB
+    argv = [
+        "eval",
+        str(tiny_run),
+        "--split",
+        str(code),
+        "--max-file-bytes",
+        "0",
+        "--out",
+        str(tmp_path / "e.json"),
+    ]
+    assert main([*argv, "--threads", "1", "--batch-size", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "tenx eval: " in err and "batches of 108,001 tokens scored" in err
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["datasets"][str(code)]["bytes"] == 108_000
+
+
+@pytest.mark.slow
+def test_a_50_mb_file_stays_under_4_gb(tiny_run, tmp_path):
+    """The issue's case: --max-file-bytes 0 on a 50 MB file reached 1.9 GB and printed nothing for 170 s+."""
+    import resource
+    import subprocess
+    import sys
+
+    code = tmp_path / "code"
+    code.mkdir()
+    line = "x = compute(1, 2)  # a line of code\n"
+    (code / "big.py").write_text(line * (50_000_000 // len(line)))
+    argv = [
+        "eval",
+        str(tiny_run),
+        "--split",
+        str(code),
+        "--max-file-bytes",
+        "0",
+        "--out",
+        str(tmp_path / "e.json"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tenx", *argv, "--threads", "1", "--batch-size", "64"],
+        capture_output=True, text=True, env=env, timeout=3600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "batches of" in done.stderr  # progress while it scores
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 1024 * 1024  # KiB

@@ -10,9 +10,11 @@ counted under one reason of CODEBASE_SKIP_REASONS.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -24,6 +26,9 @@ from tenx.errors import DataError
 DEFAULT_MAX_FILE_BYTES = 1_000_000
 """Files larger than this are skipped by default (generated code, data dumps); 0 means no limit."""
 
+MAX_DEPTH = 256
+"""Directories nested deeper than this below the root are not entered (each counts once as `too_deep`)."""
+
 VCS_DIRS = frozenset({".git", ".hg", ".svn", ".bzr", "_darcs", "CVS", ".jj", ".pijul"})
 """Directories of version-control systems: never entered."""
 
@@ -34,6 +39,7 @@ CODEBASE_SKIP_REASONS = {
     "binary": "binary (a NUL byte in the first 8 KB)",
     "empty": "empty or only whitespace",
     "linked_directory": "symbolic link to a directory (not followed)",
+    "too_deep": f"a directory nested deeper than {MAX_DEPTH} levels (not entered; counts once)",
     "outside": _SOURCE_SKIPS["outside"],
     "broken": _SOURCE_SKIPS["broken"],
     "special": _SOURCE_SKIPS["special"],
@@ -103,49 +109,128 @@ def language_of(path: str) -> str:
     return LANGUAGES.get(suffix, suffix)
 
 
-def glob_regex(pattern: str) -> str:
-    """A regular expression for a glob over `/`-separated paths: `*` and `?` stay within one name, `**`
-    spans directories (`**/x`: x at any depth, `x/**`: everything inside x), `[...]` a class (`[!...]`
-    negated), a backslash escapes the next character."""
-    out, i, n = [], 0, len(pattern)
+_ANY_SEGMENTS = "**"
+"""A whole `**` segment of a glob: any number of directories (see Glob)."""
+_MAX_RE_STARS = 2
+"""A name pattern with more `*` than this is matched by _star_match (linear) rather than `re` (backtracking:
+each further `*` multiplies the worst case by the name's length)."""
+
+
+class Glob:
+    """A glob over `/`-separated paths, matched in time linear in the path and the pattern (no backtracking
+    blow-up: twenty `**/` segments cost what one does). `*` and `?` stay within one name (a `**` inside a name,
+    as in `a**b`, is a `*`, as in git), a whole `**` segment is any number of directories (`**/x`: x at any
+    depth; a trailing `x/**`: everything inside x, not x itself), `[...]` a class (`[!...]` negated), a
+    backslash escapes the next character. `anchored=False`: the pattern may match the path's last names at any
+    depth (a .gitignore line without a `/` in its middle)."""
+
+    def __init__(self, pattern: str, anchored: bool = True) -> None:
+        self.pattern = pattern
+        parts: list[object] = [] if anchored else [_ANY_SEGMENTS]
+        names = pattern.split("/")
+        for k, name in enumerate(names):
+            if name == _ANY_SEGMENTS:
+                if k == len(names) - 1:  # a trailing `**`: at least one name
+                    parts.append(_name_matcher("*"))
+                if not parts or parts[-1] is not _ANY_SEGMENTS:  # `**/**/`: one is enough
+                    parts.append(_ANY_SEGMENTS)
+            else:
+                parts.append(_name_matcher(name))
+        self._parts = parts
+
+    def fullmatch(self, path: str) -> bool:
+        """Whether the glob matches the whole of `path` (names joined by `/`)."""
+        return _star_match(self._parts, path.split("/"), _ANY_SEGMENTS)
+
+
+def _star_match(parts: list, items: list, star: object) -> bool:
+    """Wildcard matching of `items` by `parts`, each a callable matching one item or `star` (any run of
+    items): the greedy algorithm that, on a mismatch, only moves the last star on; O(len(parts) x len(items))
+    calls, never exponential."""
+    i = j = 0
+    star_at, mark = -1, 0
+    while j < len(items):
+        if i < len(parts) and parts[i] is star:
+            star_at, mark = i, j
+            i += 1
+        elif i < len(parts) and parts[i](items[j]):
+            i += 1
+            j += 1
+        elif star_at >= 0:
+            mark += 1
+            i, j = star_at + 1, mark
+        else:
+            return False
+    while i < len(parts) and parts[i] is star:
+        i += 1
+    return i == len(parts)
+
+
+_ANY_CHARS = object()
+"""A `*` inside a name, for _star_match over the name's characters."""
+
+
+def _name_matcher(name: str):
+    """A callable telling whether one path name matches the glob `name` (no `/` in it)."""
+    tokens: list[
+        object
+    ] = []  # single characters (str), compiled one-character classes, `?` (None), _ANY_CHARS
+    regex: list[str] = []
+    i, n = 0, len(name)
     while i < n:
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            before_ok = i == 0 or pattern[i - 1] == "/"
-            j = i + 2
-            if before_ok and j < n and pattern[j] == "/":
-                out.append("(?:.*/)?")  # `**/`: zero or more directories
-                i = j + 1
-                continue
-            out.append(".*")
-            i = j
-            continue
+        c = name[i]
         if c == "*":
-            out.append("[^/]*")
+            while i + 1 < n and name[i + 1] == "*":
+                i += 1
+            tokens.append(_ANY_CHARS)
+            regex.append(".*")
         elif c == "?":
-            out.append("[^/]")
+            tokens.append(None)
+            regex.append(".")
         elif c == "\\" and i + 1 < n:
             i += 1
-            out.append(re.escape(pattern[i]))
+            tokens.append(name[i])
+            regex.append(re.escape(name[i]))
         elif c == "[":
-            end = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "^") else i + 1)
+            end = name.find("]", i + 2 if name[i + 1 : i + 2] in ("!", "^") else i + 1)
             if end < 0:
-                out.append(re.escape(c))
+                tokens.append(c)
+                regex.append(re.escape(c))
             else:
-                body = pattern[i + 1 : end]
+                body = name[i + 1 : end]
                 if body[:1] in ("!", "^"):
                     body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
+                cls = "[" + body.replace("\\", "\\\\") + "]"
+                try:
+                    tokens.append(re.compile(cls, re.DOTALL))
+                except re.error as e:
+                    raise ValueError(f"the class {name[i : end + 1]!r}: {e}") from None
+                regex.append(cls)
                 i = end
         else:
-            out.append(re.escape(c))
+            tokens.append(c)
+            regex.append(re.escape(c))
         i += 1
-    return "".join(out)
+    if all(isinstance(t, str) for t in tokens):
+        literal = "".join(t for t in tokens if isinstance(t, str))
+        return literal.__eq__
+    if tokens.count(_ANY_CHARS) <= _MAX_RE_STARS:
+        return re.compile("".join(regex), re.DOTALL).fullmatch
+    parts = [_char_matcher(t) if t is not _ANY_CHARS else t for t in tokens]
+    return lambda item: _star_match(parts, item, _ANY_CHARS)
+
+
+def _char_matcher(token: object):
+    if token is None:
+        return lambda ch: True
+    if isinstance(token, str):
+        return token.__eq__
+    return token.fullmatch  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
 class _Rule:
-    regex: re.Pattern[str]
+    regex: Glob
     negated: bool
     dir_only: bool
 
@@ -174,26 +259,26 @@ def parse_gitignore(text: str, where: str = ".gitignore") -> list[_Rule]:
             continue
         anchored = "/" in line
         line = line.lstrip("/")
-        body = glob_regex(line)
         try:
-            regex = re.compile(body if anchored else "(?:.*/)?" + body)
-        except re.error as e:
-            raise DataError(f"{where}: pattern {line!r} is not usable ({e}); fix or remove that line") from e
+            regex = Glob(line, anchored=anchored)
+        except ValueError as e:
+            raise DataError(
+                f"{where}: pattern {line!r} is not usable ({e}); fix or remove that line"
+            ) from None
         rules.append(_Rule(regex, negated, dir_only))
     return rules
 
 
-def _path_glob(pattern: str, flag: str) -> re.Pattern[str]:
+def _path_glob(pattern: str, flag: str) -> Glob:
     """An --include/--exclude glob: with a `/` matched against the whole relative path, else a name at any
     depth."""
     p = pattern.strip().lstrip("/").rstrip("/")
     if not p:
         raise DataError(f"{flag} {pattern!r}: an empty pattern; give a glob such as '*.c' or 'src/**'")
-    body = glob_regex(p)
     try:
-        return re.compile(body if "/" in p else "(?:.*/)?" + body)
-    except re.error as e:
-        raise DataError(f"{flag} {pattern!r} is not a usable glob ({e})") from e
+        return Glob(p, anchored="/" in p)
+    except ValueError as e:
+        raise DataError(f"{flag} {pattern!r} is not a usable glob ({e})") from None
 
 
 @dataclass
@@ -269,7 +354,9 @@ def read_codebase(
                     verdict = not rule.negated
         return verdict
 
-    def walk(directory: Path, rel_dir: str) -> None:
+    def listing(directory: Path, rel_dir: str) -> tuple[list[os.DirEntry], bool] | None:
+        """The sorted entries of a directory, and whether its .gitignore pushed a layer of rules (None: its
+        path is longer than the system allows, counted as too deep)."""
         pushed = False
         if gitignore:
             ignore_file = directory / ".gitignore"
@@ -284,38 +371,56 @@ def read_codebase(
             with os.scandir(directory) as it:
                 entries = sorted(it, key=lambda e: e.name.encode("utf-8", "surrogateescape"))
         except OSError as e:
+            if pushed:
+                layers.pop()
+            if e.errno == errno.ENAMETOOLONG:
+                return None
             raise DataError(f"cannot list {directory}: {e.strerror or e}") from None
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            try:
-                is_link = entry.is_symlink()
-                is_dir = entry.is_dir(follow_symlinks=False)
-                is_dir_target = entry.is_dir(follow_symlinks=True)
-            except OSError:
-                found.skip("broken", rel)
-                continue
-            if is_dir and entry.name in VCS_DIRS:
-                continue
-            if gitignore and ignored(rel, is_dir or is_dir_target):
-                found.skip("gitignored", rel)
-                continue
-            if any(rx.fullmatch(rel) for rx in excludes):
-                found.skip("excluded", rel)
-                continue
-            if is_dir:
-                walk(Path(entry.path), rel)
-                continue
-            if is_link and is_dir_target:
-                found.skip("linked_directory", rel)
-                continue
-            if includes and not any(rx.fullmatch(rel) for rx in includes):
-                found.skip("excluded", rel)
-                continue
-            _read_file(Path(entry.path), rel, base, max_file_bytes, found, stats)
-        if pushed:
-            layers.pop()
+        return entries, pushed
 
-    walk(root, "")
+    # Depth first in sorted order, with a stack of open directories rather than recursion (a tree deeper than
+    # Python's recursion limit is walked the same); a directory deeper than MAX_DEPTH is skipped and counted.
+    entries, pushed = listing(root, "") or ([], False)
+    stack: list[tuple[str, Iterator[os.DirEntry], bool]] = [("", iter(entries), pushed)]
+    while stack:
+        rel_dir, it, pushed = stack[-1]
+        entry = next(it, None)
+        if entry is None:
+            stack.pop()
+            if pushed:
+                layers.pop()
+            continue
+        rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+        try:
+            is_link = entry.is_symlink()
+            is_dir = entry.is_dir(follow_symlinks=False)
+            is_dir_target = entry.is_dir(follow_symlinks=True)
+        except OSError:
+            found.skip("broken", rel)
+            continue
+        if is_dir and entry.name in VCS_DIRS:
+            continue
+        if gitignore and ignored(rel, is_dir or is_dir_target):
+            found.skip("gitignored", rel)
+            continue
+        if any(rx.fullmatch(rel) for rx in excludes):
+            found.skip("excluded", rel)
+            continue
+        if is_dir:
+            opened = listing(Path(entry.path), rel) if len(stack) <= MAX_DEPTH else None
+            if opened is None:
+                found.skip("too_deep", rel)
+                continue
+            entries, pushed = opened
+            stack.append((rel, iter(entries), pushed))
+            continue
+        if is_link and is_dir_target:
+            found.skip("linked_directory", rel)
+            continue
+        if includes and not any(rx.fullmatch(rel) for rx in includes):
+            found.skip("excluded", rel)
+            continue
+        _read_file(Path(entry.path), rel, base, max_file_bytes, found, stats)
     return found
 
 

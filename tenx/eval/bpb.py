@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ def _scored_windows(
     batch_size: int,
     stride: int | None,
     amp_dtype: torch.dtype,
+    context_given: bool = False,
 ) -> Iterator[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]]:
     """For each batch of windows: their (start, first scored position), per-position NLL and scored mask.
 
@@ -56,18 +58,23 @@ def _scored_windows(
     device = next(model.parameters()).device
     T = model.cfg.seq_len
     stride = min(stride or T, T)
-    stream = np.concatenate([np.array([eot_id], dtype=np.int64), np.asarray(tokens, dtype=np.int64)])
+    if context_given:  # tokens[0] is the end-of-document id the caller put first (no copy of a long stream)
+        stream = np.asarray(tokens, dtype=np.int64)
+    else:
+        stream = np.concatenate([np.array([eot_id], dtype=np.int64), np.asarray(tokens, dtype=np.int64)])
     n_targets = len(stream) - 1
     if n_targets == 0:
         return
     length, plan = window_plan(n_targets, T, stride)
     positions = np.arange(length)
     model.eval()
-    batches = range(0, len(plan), batch_size)
-    if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal, nothing in logs
+    batches: Iterable[int] = range(0, len(plan), batch_size)
+    if sys.stderr.isatty():  # minutes on a CPU: show progress on a terminal
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="eval", unit="batch", leave=False)
+    else:  # and a line every PROGRESS_S in a log, so that a long file never looks like a hang
+        batches = _logged(batches, n_targets)
     for i in batches:
         chunk = plan[i : i + batch_size]
         batch = host_to_device(
@@ -79,6 +86,25 @@ def _scored_windows(
             logits = model(batch[:, :-1])
         nll = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
         yield chunk, nll.view(len(chunk), length), scored
+
+
+PROGRESS_S = 30.0
+"""Seconds between two progress lines of a long evaluation whose stderr is not a terminal."""
+
+
+def _logged(batches: range, n_targets: int) -> Iterator[int]:
+    started = last = time.monotonic()
+    for k, i in enumerate(batches):
+        now = time.monotonic()
+        if now - last >= PROGRESS_S:
+            last = now
+            print(
+                f"tenx eval: {k:,}/{len(batches):,} batches of {n_targets:,} tokens scored "
+                f"({k / len(batches):.0%}, {now - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        yield i
 
 
 def stream_nll(
@@ -109,11 +135,15 @@ def token_nll(
     *,
     stride: int | None = None,
     amp_dtype: torch.dtype = torch.float32,
+    context_given: bool = False,
 ) -> np.ndarray:
-    """The NLL (nats) of each token of `tokens`, scored as `stream_nll` scores them (float64 array)."""
-    out = np.zeros(len(tokens), dtype=np.float64)
-    for chunk, nll, _ in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
-        values = nll.cpu().double().numpy()  # float64 on the host: MPS has none
+    """The NLL (nats) of each token of `tokens`, scored as `stream_nll` scores them (a float32 array: the
+    values the model computed, 4 bytes a token; sum them in float64). `context_given`: tokens[0] is the
+    end-of-document id that gives the first token its context, and is not scored."""
+    out = np.zeros(len(tokens) - (1 if context_given else 0), dtype=np.float32)
+    windows = _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype, context_given)
+    for chunk, nll, _ in windows:
+        values = nll.float().cpu().numpy()
         for row, (start, first) in enumerate(chunk):
             out[start + first : start + nll.shape[1]] = values[row, first:]
     return out

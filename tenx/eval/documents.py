@@ -11,6 +11,7 @@ tenx.data.ngrams) also occur in training; the clean part's bits per byte leave t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -73,12 +74,9 @@ def source_documents(spec: str, tokenizer: Tokenizer) -> list[Document]:
             texts.append(cleaned[0])
     if not texts:
         raise DataError(f"{spec}: no text documents to evaluate")
-    encoded = tokenizer.encode_batch(texts)
+    encoded = encode_texts(tokenizer, texts)
     check_texts(tokenizer, names, texts, encoded, spec)
-    return [
-        Document(name, np.asarray(ids, dtype=np.int64), len(text.encode("utf-8")))
-        for name, ids, text in zip(names, encoded, texts)
-    ]
+    return [Document(name, ids, len(text.encode("utf-8"))) for name, ids, text in zip(names, encoded, texts)]
 
 
 def codebase_documents(codebase: Codebase, tokenizer: Tokenizer) -> list[Document]:
@@ -90,17 +88,58 @@ def codebase_documents(codebase: Codebase, tokenizer: Tokenizer) -> list[Documen
             f"{codebase.root}: no text files to evaluate (skipped: {skipped})"
             "; check --include/--exclude/--max-file-bytes and the .gitignore files"
         )
-    encoded = tokenizer.encode_batch([f.text for f in codebase.files])
     names, texts = [f.path for f in codebase.files], [f.text for f in codebase.files]
+    encoded = encode_texts(tokenizer, texts)
     check_texts(tokenizer, names, texts, encoded, str(codebase.root))
-    return [
-        Document(f.path, np.asarray(ids, dtype=np.int64), f.num_bytes)
-        for f, ids in zip(codebase.files, encoded)
-    ]
+    return [Document(f.path, ids, f.num_bytes) for f, ids in zip(codebase.files, encoded)]
+
+
+ENCODE_CHARS = 1 << 20
+"""Texts are encoded about this many characters at a time: a long file is cut into pieces (see _pieces), so
+the tokenizer's per-token objects (a Python int each, or a `tokenizers` Encoding) exist for one piece at a time,
+never for a 50 MB file at once."""
+_CUT = re.compile(r"\S\n(?=\w)")
+"""A newline between a non-space and a word character: byte-level BPE pre-tokenizers (GPT-2's, Llama 3's) end
+a piece before it and after it, so cutting after it gives the same tokens as encoding the whole text."""
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each text's token ids (int64), encoded ENCODE_CHARS at a time: memory bounded by the ids themselves."""
+    pieces: list[tuple[int, str]] = [(i, piece) for i, text in enumerate(texts) for piece in _pieces(text)]
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    group: list[tuple[int, str]] = []
+    size = 0
+    for k, (i, piece) in enumerate(pieces):
+        group.append((i, piece))
+        size += len(piece)
+        if size >= ENCODE_CHARS or k == len(pieces) - 1:
+            for (owner, _), ids in zip(group, tokenizer.encode_batch([p for _, p in group])):
+                parts[owner].append(np.asarray(ids, dtype=np.int32))  # vocabularies are below 2**31
+            group, size = [], 0
+    return [np.concatenate(p, dtype=np.int64) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _pieces(text: str) -> list[str]:
+    """`text` cut into pieces of about ENCODE_CHARS at newlines where the tokens do not change (_CUT); a text
+    without one for another ENCODE_CHARS is cut where it is (decoding still gives the text back)."""
+    if len(text) <= ENCODE_CHARS:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > ENCODE_CHARS:
+        found = _CUT.search(text, start + ENCODE_CHARS - 1, start + 2 * ENCODE_CHARS)
+        end = found.start() + 2 if found else start + ENCODE_CHARS
+        out.append(text[start:end])
+        start = end
+    out.append(text[start:])
+    return out
 
 
 def check_texts(
-    tokenizer: Tokenizer, names: list[str], texts: list[str], encoded: list[list[int]] | None, where: str
+    tokenizer: Tokenizer,
+    names: list[str],
+    texts: list[str],
+    encoded: list[list[int]] | list[np.ndarray] | None,
+    where: str,
 ) -> None:
     """Refuse to score a dataset whose text the tokenizer does not give back (its bits per byte would be
     another text's), checked on documents spread over it (tenx.data.tokenizer.check_round_trip)."""
@@ -120,15 +159,20 @@ def document_nll(
     amp_dtype: torch.dtype,
 ) -> np.ndarray:
     """Each document's NLL (nats) within the whole dataset's stream, its end-of-document token included."""
-    pieces, bounds, at = [], [], 0
+    bounds = np.cumsum([len(doc.tokens) + 1 for doc in docs], dtype=np.int64)
+    stream = np.empty(1 + (int(bounds[-1]) if len(docs) else 0), dtype=np.int64)  # filled once, no copies
+    stream[0] = eot_id  # the context of the first token
+    at = 1
     for doc in docs:
-        pieces += [doc.tokens, np.array([eot_id], dtype=np.int64)]
+        stream[at : at + len(doc.tokens)] = doc.tokens
+        stream[at + len(doc.tokens)] = eot_id
         at += len(doc.tokens) + 1
-        bounds.append(at)
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    per_token = token_nll(model, stream, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
-    sums = np.add.reduceat(per_token, [0, *bounds[:-1]]) if len(docs) else np.zeros(0)
-    return sums
+    per_token = token_nll(
+        model, stream, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype, context_given=True
+    )
+    return (
+        np.add.reduceat(per_token, [0, *bounds[:-1].tolist()], dtype=np.float64) if len(docs) else np.zeros(0)
+    )
 
 
 def _group(docs: list[Document], nll: np.ndarray, key: Callable[[str], str]) -> dict[str, dict[str, Any]]:
