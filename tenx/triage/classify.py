@@ -551,7 +551,7 @@ def format_incident(incident: Incident) -> str:
         f"{incident.verdict} (confidence {incident.confidence})",
         f"  {incident.evidence.get('summary', '')}",
     ]
-    for key in ("replay_text", "bisect_text"):
+    for key in ("replay_text", "bisect_text", "counterfactual_text", "parted_bisect"):
         if incident.evidence.get(key):
             lines += ["  " + line for line in str(incident.evidence[key]).splitlines()]
     return "\n".join(lines)
