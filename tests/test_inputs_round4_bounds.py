@@ -285,3 +285,27 @@ def test_a_50_mb_file_stays_under_4_gb(tiny_run, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "batches of" in done.stderr  # progress while it scores
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 1024 * 1024  # KiB
+
+
+# ----- item 10: --seeds and --law-seeds bounded ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["ladder", "--config", "tiny", "--budgets", "1e11", "--grid", "ratio", "--seeds", "1000000000"], "seeds"),
+        (["ladder", "--config", "tiny", "--budgets", "1e11", "--noise-seeds", "1000000000"], "noise_seeds"),
+        (["derisk", "--base", "tiny", "--budgets", "1e11,2e11", "--change", "w:model.aspect_ratio=64",
+          "--seeds", "1000000000"], "seeds"),
+        (["derisk", "--base", "tiny", "--budgets", "1e11,2e11", "--change", "w:model.aspect_ratio=64",
+          "--mode", "data", "--unique-tokens", "100000", "--unique-tokens", "200000",
+          "--law-seeds", "1000000000", "--law-seeds", "1"], "--law-seeds"),
+    ],
+)  # fmt: skip
+def test_a_billion_seeds_are_refused_at_once(argv, named, tmp_path, capsys):
+    started = time.monotonic()
+    assert main([*argv, "--out", str(tmp_path / "out"), "--dry-run"]) == 2  # hung for ever
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and named in err and "1000" in err
+    assert time.monotonic() - started < 30  # hang guard
+    assert not (tmp_path / "out").exists()

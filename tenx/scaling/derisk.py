@@ -49,7 +49,7 @@ from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.scaling.ladder import config_key, ensure_data, format_dry_run, load_base, run_planned
-from tenx.scaling.rungs import LadderConfig, PlannedRun, plan_ladder
+from tenx.scaling.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
 from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
 
 Z95 = 1.959963984540054
@@ -84,7 +84,9 @@ class DeriskConfig:
     set: list[str] = field(default_factory=list, help="overrides applied to the base config")
     budgets: list[float] = field(default_factory=lambda: [1e12, 4e12, 1.6e13], help="training FLOP budgets")
     change: list[ChangeConfig] = field(default_factory=list, help="the changes, in stacking order")
-    seeds: int = field(2, ge=1, help="seeds at the smallest budget (noise estimate for the intervals)")
+    seeds: int = field(
+        2, ge=1, le=MAX_SEEDS, help="seeds at the smallest budget (noise estimate for the intervals)"
+    )
     target: float | None = field(
         None,
         gt=0,
@@ -171,11 +173,14 @@ class DeriskConfig:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
         if self.law_seeds and (
             len(self.law_seeds) != len(self.budgets)
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.law_seeds)
+            or any(
+                isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SEEDS
+                for n in self.law_seeds
+            )
         ):
             raise ConfigError(
-                f"law_seeds: give one whole number >= 1 per budget ({len(self.budgets)}), smallest budget "
-                f"first, got {self.law_seeds}"
+                f"law_seeds (--law-seeds): give one whole number in [1, {MAX_SEEDS}] per budget "
+                f"({len(self.budgets)}), smallest budget first, got {self.law_seeds}"
             )
 
     @property

@@ -59,6 +59,10 @@ DEFAULT_BUDGETS = [1.7e12, 2.7e12, 4.3e12, 6.8e12, 1.07e13, 1.7e13, 2.7e13]
 MAX_DEPTH = 256
 """The deepest model a ladder may plan (the planner tries every depth up to --max-depth)."""
 
+MAX_SEEDS = 1000
+"""The most seeds a run or a budget may train (--seeds, --noise-seeds, derisk's --seeds and --law-seeds): each
+is a whole training run, and a billion of them is a typo that planning alone would spend hours listing."""
+
 
 @dataclass
 class LadderConfig:
@@ -97,10 +101,11 @@ class LadderConfig:
         help="cap on distinct training tokens (data.max_unique_tokens); runs past it repeat data (default: "
         "none, no cap)",
     )
-    seeds: int = field(1, ge=1, help="seeds of every run (train.seed, train.seed+1, ...)")
+    seeds: int = field(1, ge=1, le=MAX_SEEDS, help="seeds of every run (train.seed, train.seed+1, ...)")
     noise_seeds: int = field(
         3,
         ge=1,
+        le=MAX_SEEDS,
         help="isoflop: seeds of the smallest budget's runs, to measure seed noise (3: two repeats, so the "
         "pooled spread has 2 degrees of freedom per size; 1: none)",
     )
