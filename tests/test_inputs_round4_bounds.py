@@ -309,3 +309,79 @@ def test_a_billion_seeds_are_refused_at_once(argv, named, tmp_path, capsys):
     assert err.count("error:") == 1 and named in err and "1000" in err
     assert time.monotonic() - started < 30  # hang guard
     assert not (tmp_path / "out").exists()
+
+
+# ----- items 12 and 13: the data-mode law's warnings, and a law that cannot be fitted -------------------------
+
+LAW = {"E": 1.5, "A": 50.0, "B": 200.0, "alpha": 0.3, "beta": 0.3, "R_D_star": 5.0}
+
+
+def _law_rows() -> list[dict]:
+    """Six points of a known L(N, D, U): five single-epoch runs over two sizes, one repeating its data."""
+    import numpy as np
+
+    from tenx.scaling.fit import effective_data
+
+    rows = []
+    for n, d, u in [(1e6, 2e7, 2e7), (1e6, 4e7, 4e7), (1e6, 8e7, 8e7), (4e6, 4e7, 4e7), (4e6, 8e7, 8e7),
+                    (4e6, 8e7, 2e7)]:  # fmt: skip
+        d_eff = effective_data(np.array([d]), np.array([u]), LAW["R_D_star"])[0]
+        loss = LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / d_eff ** LAW["beta"]
+        rows.append(
+            {"params": n, "tokens": d, "unique_tokens": u, "heldout_loss": float(loss), "budget": 6 * n * d}
+        )
+    return rows
+
+
+def test_the_data_derisk_report_carries_the_fits_warnings():
+    """Item 12: the verdicts came from a law `tenx fit` flags (too few runs, seed noise from one seed)
+    without a word; the report now says so above them."""
+    import numpy as np
+
+    from tenx.scaling.data_multiplier import format_data_derisk, law_warnings
+    from tenx.scaling.fit.laws import fit_data_constrained
+
+    rows = _law_rows()
+    fit = fit_data_constrained(*(np.array([r[k] for r in rows]) for k in ("params", "tokens", "unique_tokens",
+                                                                           "heldout_loss")), bootstrap=4)  # fmt: skip
+    warnings = law_warnings(fit, rows, 0.0, 0)
+    assert any("6 runs fitted for 6 parameters: too few" in w for w in warnings)
+    assert any(w.startswith("seed noise 0.0000 nats/token is from one seed") for w in warnings)
+    assert not any("seed noise" in w for w in law_warnings(fit, rows, 0.01, 4))
+    result = {
+        "budgets": [1e14, 1e15], "law": {"form": fit.form, "params": fit.params, "n_points": 6},
+        "law_max_abs_rel_error": 0.0, "baseline": [], "compare_unique_tokens": 20_000_000, "target": 1e17,
+        "changes": [], "seed_sigma": 0.0, "warnings": warnings,
+    }  # fmt: skip
+    report = format_data_derisk(result)
+    assert report.count("WARNING: ") == len(warnings) and "provisional" in report
+
+
+def test_plan_choose_repeats_the_fits_warnings(tmp_path, capsys):
+    params = {k: LAW[k] for k in ("E", "A", "B", "alpha", "beta")}
+    fit = tmp_path / "fit.json"
+    warning = "alpha = 0.05 is the lowest value the fit allows: the runs do not determine alpha"
+    fit.write_text(json.dumps({"fit": {"law": "chinchilla", "params": params}, "warnings": [warning]}))
+    out = tmp_path / "choices.json"
+    argv = ["plan", "choose", "--config", "gpt2-d12", "--cluster", "h100-node", "--fit", str(fit)]
+    assert main([*argv, "--budget", "1e19", "--top", "2", "--json", str(out)]) == 0
+    assert f"WARNING: the fit in {fit}: {warning}" in capsys.readouterr().out
+    assert json.loads(out.read_text())["fit_warnings"] == [warning]
+
+
+def test_a_data_plan_whose_law_cannot_be_fitted_fails_its_dry_run(tiny_data, tmp_path, capsys):
+    """Item 13: one model size (max_depth 1) passed --dry-run and failed only after training every run."""
+    study = tmp_path / "study.toml"
+    study.write_text(
+        'base = "tiny"\n'
+        f"set = ['data.dir=\"{tiny_data}\"', 'log.progress=false', 'train.threads=1']\n"
+        'budgets = [2e10, 6e10]\nseeds = 1\nmode = "data"\nunique_tokens = [20000, 40000]\n'
+        '[[change]]\nname = "rope"\nset = [\'model.pos="rope"\']\n'
+        '[ladder]\ngrid = "ratio"\nmin_steps = 20\nmax_depth = 1\n'
+    )
+    out = tmp_path / "out"
+    assert main(["derisk", "--config", str(study), "--out", str(out), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "cannot fit the data-constrained law" in err
+    assert "over 1 model sizes" in err and "budgets" in err and "token_fractions" in err
+    assert not out.exists()

@@ -82,6 +82,18 @@ def load_fit(path: str | Path) -> Any:
     return FitResult(law, str(fit.get("form", "")), values, {}, samples, 0, 0.0, float(level))
 
 
+def load_fit_warnings(path: str | Path) -> list[str]:
+    """The warnings the `tenx fit` report at `path` carries (`warnings`: fit_warnings, a parameter at its
+    bound, too few runs, ...; `regime_warnings`: runs the law does not describe): the choices rest on that
+    law, so `plan choose` repeats them. Read after load_fit accepted the file."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    found = [*(report.get("warnings") or []), *(report.get("regime_warnings") or [])]
+    return [w for w in found if isinstance(w, str)]
+
+
 def choose(
     run: Any,
     cluster: Any,
@@ -276,7 +288,10 @@ def cmd_choose(args: argparse.Namespace) -> None:
         unique_tokens=args.unique_tokens,
     )
     result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
+    result["fit_warnings"] = load_fit_warnings(args.fit)
     print(vocab.describe())
+    for warning in result["fit_warnings"]:
+        print(f"WARNING: the fit in {args.fit}: {warning}")
     print(format_choices(result, args.top))
     if out is not None:
         atomic_write_json(out, result)

@@ -160,6 +160,43 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
     return out
 
 
+LAW_PARAMETERS = 6
+"""E, A, B, alpha, beta and R*_D: fit_warnings asks for 2 points per parameter."""
+
+
+def law_points(planned: list[DataRun]) -> list[tuple[float, float, float]]:
+    """The distinct (params, tokens, unique tokens) points the baseline's planned runs give the law (a run
+    without a cap reads each of its tokens once)."""
+    runs = [p.run for p in planned if p.stage == "baseline"]
+    return sorted({(r.params, r.tokens, min(r.unique_tokens or r.tokens, r.tokens)) for r in runs})
+
+
+def check_law_fits(planned: list[DataRun]) -> None:
+    """ConfigError, before any run trains (and in --dry-run), when the baseline's planned points cannot fit
+    L(N, D, U) (tenx.scaling.fit.laws.data_constrained_shortfall), naming the settings that add points."""
+    from tenx.scaling.fit.laws import data_constrained_shortfall
+
+    points = np.array(law_points(planned), dtype=float).reshape(-1, 3)
+    why = data_constrained_shortfall(points[:, 0], points[:, 1], points[:, 2])
+    if why:
+        raise ConfigError(
+            f"the baseline's planned runs cannot fit the data-constrained law: {why}; add budgets (model "
+            "sizes), token_fractions (token counts) or unique_tokens below the runs' tokens (repeated data)"
+        )
+
+
+def plan_warnings(planned: list[DataRun]) -> list[str]:
+    """What the dry run can already tell about the fit: fewer than 2 points per parameter of the law."""
+    n = len(law_points(planned))
+    if n < 2 * LAW_PARAMETERS:
+        return [
+            f"the baseline plans {n} points for the law's {LAW_PARAMETERS} parameters: too few to determine "
+            f"them (aim for {2 * LAW_PARAMETERS} or more: budgets, token_fractions, unique_tokens); `tenx fit` "
+            "will flag the fit and the verdicts rest on it"
+        ]
+    return []
+
+
 # ----- analysis --------------------------------------------------------------------------------------
 def _column(rows: list[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([float(r[key]) for r in rows])
@@ -281,6 +318,7 @@ def analyse_data(
         out_changes.append(entry)
     N_b, D_b, U_b, L_b = (_column(baseline, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
     rel = fit.predict(N=N_b, D=D_b, U=U_b) / L_b - 1
+    warnings = law_warnings(fit, points, sigma, dof)
     N_p, D_p, U_p, L_p = (_column(points, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
     rel_points = fit.predict(N=N_p, D=D_p, U=U_p) / L_p - 1  # what the law was fitted to
     return {
@@ -300,7 +338,27 @@ def analyse_data(
             for r, e in zip(baseline, rel)
         ],
         "changes": out_changes,
+        "warnings": warnings,
     }
+
+
+def law_warnings(fit: Any, points: list[dict[str, Any]], sigma: float, dof: int) -> list[str]:
+    """What `tenx fit` would flag on the law the verdicts rest on (tenx.scaling.fit.report.fit_warnings: a
+    parameter at its bound, too few points, intervals of no width; regime_warnings: runs the law does not
+    describe), and seed noise measured from no repeat at all."""
+    from tenx.scaling.fit.data_law_check import regime_warnings
+    from tenx.scaling.fit.report import fit_warnings
+    from tenx.scaling.table import Points
+
+    out = fit_warnings({"fit": fit.to_dict(), "n_fit": len(points)})
+    N, D, U, L = (_column(points, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
+    out += regime_warnings(Points(N, D, L, 6 * N * D, U, _column(points, "budget")))
+    if dof == 0:
+        out.append(
+            f"seed noise {sigma:.4f} nats/token is from one seed per run at the smallest scale (no repeat): "
+            "the intervals leave seed noise out (raise seeds or law_seeds)"
+        )
+    return out
 
 
 def _same_run(baseline: list[dict[str, Any]], scale: float, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -334,6 +392,16 @@ def format_data_derisk(result: dict[str, Any]) -> str:
         "seeds), largest error "
         f"{100 * result['law_max_abs_rel_error']:.2f}% of the held-out loss.",
         "",
+        *[f"WARNING: {w}" for w in result.get("warnings") or []],
+        *(
+            [
+                "",
+                "The verdicts below rest on this law: read them as provisional until the warnings are gone.",
+                "",
+            ]
+            if result.get("warnings")
+            else []
+        ),
         "| scale | params | tokens | unique tokens | epochs | held-out loss | law |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -447,10 +515,13 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     """Train the baseline's and the changes' runs (reusing runs already in OUT), fit, report."""
     out = Path(out)
     planned = plan_data_derisk(dc, dry_run=dry_run)
+    check_law_fits(planned)  # before anything trains, and in the dry run
     if dry_run:
         for name in ["baseline", *(c.name for c in dc.change)]:
             print(f"{name}: {len([p for p in planned if p.stage == name])} runs")
         print(format_dry_run([p.run for p in planned], dc.ladder))
+        for warning in plan_warnings(planned):
+            print(f"WARNING: {warning}")
         return {}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))

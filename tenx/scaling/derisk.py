@@ -179,8 +179,8 @@ class DeriskConfig:
             )
         ):
             raise ConfigError(
-                f"law_seeds (--law-seeds): give one whole number in [1, {MAX_SEEDS}] per budget "
-                f"({len(self.budgets)}), smallest budget first, got {self.law_seeds}"
+                f"law_seeds: give one whole number >= 1 per budget ({len(self.budgets)}), at most {MAX_SEEDS} "
+                f"each (--law-seeds), smallest budget first, got {self.law_seeds}"
             )
 
     @property

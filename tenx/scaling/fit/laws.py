@@ -494,6 +494,24 @@ def _fit_r_star(
 
 
 @with_serial_blas
+def data_constrained_shortfall(N: Any, D: Any, U: Any) -> str | None:
+    """Why L(N, D, U) cannot be fitted to runs of N parameters, D tokens and U unique tokens (arrays), or
+    None: stage one needs 5 single-epoch runs over 2 or more sizes and token counts, stage two a run that
+    repeats its data. The one check, for fit_data_constrained and for a derisk plan before it trains."""
+    N, D = np.asarray(N, dtype=float), np.asarray(D, dtype=float)
+    U = np.minimum(np.asarray(U, dtype=float), D)
+    single = D <= U * (1 + 1e-9)
+    if single.sum() < 5 or len(np.unique(N[single])) < 2 or len(np.unique(D[single])) < 2:
+        return (
+            f"{int(single.sum())} single-epoch runs (tokens <= unique tokens) over "
+            f"{len(np.unique(N[single]))} model sizes and {len(np.unique(D[single]))} token counts; need at "
+            "least 5 over 2 or more model sizes and token counts to fit E, A, B, alpha, beta first"
+        )
+    if single.all():
+        return "no run repeats its data (tokens > unique tokens); R*_D is undefined"
+    return None
+
+
 def fit_data_constrained(
     N: Any,
     D: Any,
@@ -513,15 +531,9 @@ def fit_data_constrained(
     a = _check_arrays("fit_data_constrained", N=N, D=D, U=U, L=L)
     a["U"] = np.minimum(a["U"], a["D"])  # unique tokens read: a single-epoch run reads D of them
     single = a["D"] <= a["U"] * (1 + 1e-9)
-    if single.sum() < 5 or len(np.unique(a["N"][single])) < 2 or len(np.unique(a["D"][single])) < 2:
-        raise DataError(
-            f"fit_data_constrained: {int(single.sum())} single-epoch runs (tokens <= unique tokens); need at "
-            "least 5 over 2 or more model sizes and token counts to fit E, A, B, alpha, beta first"
-        )
-    if single.all():
-        raise DataError(
-            "fit_data_constrained: no run repeats its data (tokens > unique tokens); R*_D is undefined"
-        )
+    why = data_constrained_shortfall(a["N"], a["D"], a["U"])
+    if why:
+        raise DataError(f"fit_data_constrained: {why}")
     logL = np.log(a["L"])
     logN, logD = np.log(a["N"]), np.log(a["D"])
     law = _chinchilla_law(logN[single], logD[single], tie=False)
