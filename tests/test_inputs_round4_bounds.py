@@ -385,3 +385,40 @@ def test_a_data_plan_whose_law_cannot_be_fitted_fails_its_dry_run(tiny_data, tmp
     assert err.count("error:") == 1 and "cannot fit the data-constrained law" in err
     assert "over 1 model sizes" in err and "budgets" in err and "token_fractions" in err
     assert not out.exists()
+
+
+# ----- item 15: --emit slurm refuses what a local run refuses ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [
+        ("--max-restarts", "-1", "--max-restarts"),
+        ("--backoff", "nan", "--backoff"),
+        ("--time", "forever", "--time"),
+    ],
+)
+def test_emit_slurm_refuses_what_the_job_would_refuse(flag, value, named, tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    argv = [
+        "train",
+        "--config",
+        "tiny",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--emit",
+        "slurm",
+        "-o",
+        str(script),
+    ]
+    assert main([*argv, flag, value]) == 2  # written into the job script before
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and named in err and value in err
+    assert not script.exists()
+
+
+@pytest.mark.parametrize("value", ["90", "1-00:00:00", "12:00:00", "2-12", "UNLIMITED"])
+def test_emit_slurm_takes_slurm_time_limits(value):
+    from tenx.utils.scripts import slurm_time
+
+    assert slurm_time(value, "--time") == value

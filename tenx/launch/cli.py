@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
-from tenx.errors import TenxError
+from tenx.errors import ConfigError, TenxError
 from tenx.utils.cli import add_set, at_least, subcommand
 
 SUPERVISOR_FLAGS = (
@@ -148,6 +148,13 @@ def emit_train_job(
         flags={"log_dir": "--run-dir", "name": "--run-dir"},
     )
     job.validate()
+    # the supervisor in the job takes these flags: what a local run refuses is refused here, not written
+    try:
+        config_from_args(SupervisorConfig, args, SUPERVISOR_FLAGS).validate()
+    except ConfigError as e:
+        field_name = str(e).split(":", 1)[0].removeprefix("supervisor.")
+        flag = SUPERVISOR_FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+        raise ConfigError(f"{flag} ({e}) with --emit slurm: the job's supervisor would refuse it") from None
     if cfg.train.global_batch is not None and cfg.parallel.replicas.mode == "off":  # groups: known at start
         try:
             accumulation_steps(cfg.train, job.nodes * job.nproc_per_node)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tenx.errors import ConfigError
 from tenx.utils.io import atomic_write_text
-from tenx.utils.scripts import sbatch_value
+from tenx.utils.scripts import sbatch_value, slurm_time
 
 RDZV_PORT = 29500
 """torchrun's usual rendezvous port on the head node."""
@@ -96,7 +96,7 @@ def sbatch_header(job: SlurmJob) -> list[str]:
     if job.partition is not None:
         lines.append(f"#SBATCH --partition={sbatch_value(job.partition, job.flag('partition'))}")
     if job.time is not None:
-        lines.append(f"#SBATCH --time={sbatch_value(job.time, job.flag('time'))}")
+        lines.append(f"#SBATCH --time={slurm_time(job.time, job.flag('time'))}")
     return [
         *lines,
         "#SBATCH --requeue",

@@ -28,3 +28,22 @@ def sbatch_value(value: object, what: str) -> str:
             "_ . , : / @ % + = - only (a path with blanks: choose or link one without)"
         )
     return text
+
+
+SLURM_TIME = re.compile(
+    r"(?:\d+-\d+(?::\d+(?::\d+)?)?|\d+(?::\d+(?::\d+)?)?|INFINITE|UNLIMITED)", re.IGNORECASE
+)
+"""The time limits sbatch accepts: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, or INFINITE / UNLIMITED."""
+
+
+def slurm_time(value: object, what: str) -> str:
+    """`value` as a `#SBATCH --time` value, or a ConfigError naming `what` when sbatch would not read it as a
+    time limit (`forever`: the job would be rejected at submission, after the script was written)."""
+    text = sbatch_value(value, what)
+    if not SLURM_TIME.fullmatch(text):
+        raise ConfigError(
+            f"{what} {text!r} is not a Slurm time limit: give MINUTES, HH:MM:SS, D-HH, D-HH:MM:SS (e.g. "
+            "1-00:00:00) or UNLIMITED"
+        )
+    return text

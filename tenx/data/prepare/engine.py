@@ -397,7 +397,7 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
     import shlex
 
     from tenx.utils.io import atomic_write_text
-    from tenx.utils.scripts import sbatch_value
+    from tenx.utils.scripts import sbatch_value, slurm_time
 
     if not cfg.slurm_partition:
         raise ConfigError("--emit slurm needs --slurm-partition, the partition the tasks run on")
@@ -428,7 +428,7 @@ def emit_slurm(cfg: Any, argv: list[str]) -> Path:
             "#SBATCH --ntasks=1",
             "#SBATCH --cpus-per-task=2",
             f"#SBATCH --partition={sbatch_value(cfg.slurm_partition, '--slurm-partition')}",
-            f"#SBATCH --time={sbatch_value(cfg.slurm_time, '--slurm-time')}",
+            f"#SBATCH --time={slurm_time(cfg.slurm_time, '--slurm-time')}",
             f"#SBATCH --output={sbatch_value(out, '--out')}.slurm-%j.out",
             "# The driver: submits the scan and tokenize passes as datatrove job arrays, waits for them, merges,",
             "# and writes the shards; resubmitting this script resumes (completed tasks are skipped).",

@@ -48,7 +48,7 @@ from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenize
 from tenx.errors import ConfigError, DataError
 from tenx.utils.cpus import usable_cpu_count
 from tenx.utils.io import atomic_write_json, fsync_dir
-from tenx.utils.scripts import sbatch_value
+from tenx.utils.scripts import sbatch_value, slurm_time
 
 TOKENIZERS = ("bpe", "bytes")
 TOKENIZER_SAMPLE_MB = 256.0
@@ -196,7 +196,7 @@ class PrepareConfig:
             )
         if self.slurm_partition:  # written into sbatch scripts (datatrove's, or --emit slurm's)
             sbatch_value(self.slurm_partition, "--slurm-partition")
-        sbatch_value(self.slurm_time, "--slurm-time")
+        slurm_time(self.slurm_time, "--slurm-time")
 
 
 def _is_int(value: Any) -> bool:
