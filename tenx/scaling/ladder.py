@@ -38,7 +38,7 @@ from tenx.scaling.ladder_estimate import (
     steady_step_seconds,
     workers_seconds,
 )
-from tenx.scaling.ladder_scripts import emit_launch
+from tenx.scaling.ladder_scripts import emit_launch, launch_files, write_launch_files
 from tenx.scaling.rungs import (
     DEFAULT_BUDGETS,
     BudgetCheck,
@@ -525,6 +525,10 @@ def run_ladder(
     if dry_run:
         print(format_dry_run(plan, lc, footer, estimate=estimate))
         return []
+    # everything --emit writes is built and checked first: a refusal leaves `out` as it was
+    launch = (
+        None if emit is None else launch_files(plan, out, emit, collect or "tenx ladder ...", nproc, nodes)
+    )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         out / "plan.json",
@@ -535,8 +539,8 @@ def run_ladder(
             "time": time.time(),
         },
     )
-    if emit is not None:
-        scripts = emit_launch(plan, out, emit, collect or "tenx ladder ...", nproc, nodes)
+    if launch is not None:
+        scripts = write_launch_files(launch)
         print(format_ladder_plan(plan, footer=footer))
         print("launch scripts:\n  " + "\n  ".join(str(p) for p in scripts))
         return []

@@ -12,9 +12,9 @@ from typing import Literal
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.launch.slurm import SlurmJob, job_script, write_job_script
+from tenx.launch.slurm import SlurmJob, job_script
 from tenx.scaling.rungs import PlannedRun
-from tenx.utils.io import atomic_write_text
+from tenx.utils.io import FILE_MODE, atomic_write_text
 
 
 def emit_launch(
@@ -28,13 +28,40 @@ def emit_launch(
     """Write each run's config and the commands that train them on a cluster; returns the scripts.
 
     The last command, `collect`, is this ladder's own command without --emit: it finds the finished
-    runs, evaluates them and writes results.jsonl.
+    runs, evaluates them and writes results.jsonl. Everything is checked (launch_files) before anything is
+    written, so a refusal leaves `ladder_dir` as it was.
     """
+    return write_launch_files(launch_files(plan, ladder_dir, how, collect, nproc, nodes))
+
+
+LaunchFile = tuple[Path, str, int, bool]
+"""A file emit_launch writes: its path, its text, its mode, and whether it is a launch script."""
+
+
+def write_launch_files(files: list[LaunchFile]) -> list[Path]:
+    """Write the files launch_files built; returns the launch scripts' paths."""
+    for path, text, mode, _ in files:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text, mode=mode)
+    return [path for path, _, _, script in files if script]
+
+
+def launch_files(
+    plan: list[PlannedRun],
+    ladder_dir: str | Path,
+    how: Literal["torchrun", "slurm"],
+    collect: str,
+    nproc: int = 8,
+    nodes: int = 1,
+) -> list[LaunchFile]:
+    """Every file emit_launch writes, built and checked in memory: each run's config, then the scripts.
+    Raises TenxError on what emit refuses, before anything is written."""
     ladder_dir = Path(ladder_dir)
     for value, flag in ((nproc, "--nproc"), (nodes, "--nodes")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise TenxError(f"{flag} must be an integer >= 1, got {value!r}")
     ranks = nproc * nodes
+    files: list[LaunchFile] = []
     runs = []
     for run in plan:
         if run.global_batch % ranks:
@@ -44,8 +71,7 @@ def emit_launch(
             )
         run_dir = ladder_dir / "runs" / run.name
         config = rundir.RunDir(run_dir).config
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(config, cfglib.dumps_toml(run.config))
+        files.append((config, cfglib.dumps_toml(run.config), FILE_MODE, False))
         micro = min(run.config.train.micro_batch, run.global_batch // ranks)
         while (run.global_batch // ranks) % micro:
             micro -= 1
@@ -59,7 +85,6 @@ def emit_launch(
         ]
         runs.append((run, run_dir, train_args))
     out_dir = ladder_dir / "launch"
-    out_dir.mkdir(parents=True, exist_ok=True)
     cwd = shlex.quote(str(Path.cwd()))
     if how == "torchrun":
         lines = [
@@ -74,15 +99,15 @@ def emit_launch(
             for _, _, args in runs
         ]
         lines += ["# evaluate the finished runs and write results.jsonl", collect]
-        path = out_dir / "torchrun.sh"
-        atomic_write_text(path, "\n".join(lines) + "\n", mode=0o755)
-        return [path]
+        return [*files, (out_dir / "torchrun.sh", "\n".join(lines) + "\n", 0o755, True)]
     scripts = []
     for run, run_dir, train_args in runs:
         job = SlurmJob(
             run.name, run_dir, nodes, nproc, flags={"nproc_per_node": "--nproc", "log_dir": "--out"}
         )
-        scripts.append(write_job_script(out_dir / f"{run.name}.sbatch", job_script(job, train_args)))
+        path = out_dir / f"{run.name}.sbatch"  # the text write_job_script writes
+        files.append((path, job_script(job, train_args) + "\n", 0o755, True))
+        scripts.append(path)
     submit = [
         "#!/usr/bin/env bash",
         "# submits every run, then a job that collects the results once all have finished",
@@ -93,6 +118,4 @@ def emit_launch(
         f'sbatch --dependency="afterok:$(IFS=:; echo "${{ids[*]}}")" --job-name=tenx-ladder-collect '
         f"--wrap {shlex.quote(collect)}",
     ]
-    path = out_dir / "submit.sh"
-    atomic_write_text(path, "\n".join(submit) + "\n", mode=0o755)
-    return [*scripts, path]
+    return [*files, (out_dir / "submit.sh", "\n".join(submit) + "\n", 0o755, True)]
