@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tenx.cli import main
+from tenx.compress.container import HEADER, CodecAdaptation, _digest, header_bytes, read_header
+from tenx.train.run import train
 
 
 def _ladder(tiny_data, lad: Path, how: str, *extra: str) -> int:
@@ -33,3 +35,44 @@ def test_ladder_emit_refusal_writes_nothing(tiny_data, tmp_path, capsys, name, h
     (lad / "keep.txt").write_text("mine")
     assert _ladder(tiny_data, lad, how, *extra) == 2
     assert sorted(p.name for p in lad.iterdir()) == ["keep.txt"]
+
+
+# ----- forged but in-range adaptation settings of a .tenx file ----------------------------------------------
+
+FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_config, tiny_data, tmp_path_factory):
+    """A tiny byte-level model trained two steps (what compress and decompress need)."""
+    path = tmp_path_factory.mktemp("round4-last-run") / "run"
+    train(tiny_config(tiny_data, *FAST, "train.steps=2"), path)
+    return path
+
+
+def forge_settings(blob: bytes, settings: CodecAdaptation) -> bytes:
+    """`blob` (format 3) with its header's adaptation settings replaced and the header checksum recomputed
+    (what a forger does)."""
+    size = header_bytes(blob[4])
+    head = bytearray(blob[: size - 8])
+    head[HEADER.size :] = settings.pack()
+    return bytes(head) + _digest(bytes(head)) + blob[size:]
+
+
+@pytest.mark.parametrize("lr, every", [(3e-3, 2), (2e-3, 3), (1.0, 4096)])
+def test_forged_in_range_adaptation_settings_are_named(run, tmp_path, capsys, lr, every):
+    src = tmp_path / "f.py"
+    src.write_bytes(b"def f(x):\n    return x + 1\n" * 60)
+    assert main(["compress", str(run), str(src), "--adapt", "--adapt-lr", "0.002", "--adapt-every", "2"]) == 0
+    packed = Path(str(src) + ".tenx")
+    assert read_header(packed.read_bytes()).adapt == CodecAdaptation(2e-3, 2)
+    packed.write_bytes(forge_settings(packed.read_bytes(), CodecAdaptation(lr, every)))
+    assert read_header(packed.read_bytes()).adapt == CodecAdaptation(lr, every)  # in range: the header reads
+    out = tmp_path / "back.py"
+    capsys.readouterr()
+    assert main(["decompress", str(run), str(packed), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tenx: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert str(packed) in err
+    assert f"adaptation settings (learning rate {lr!r}, every {every} positions)" in err
+    assert not out.exists()

@@ -253,7 +253,7 @@ def _decode_step(stream: _Stream, where: np.ndarray, freqs: np.ndarray, family: 
     try:
         stream.tokens[where] = stream.decoder.decode(family, freqs)
     except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
-        stream.error = _undecodable(stream.name, e)
+        stream.error = _undecodable(stream.name, e, stream.header)
         return
     stream.spent += _information(freqs, stream.tokens[where], vocab)
     stream.done += len(where)
@@ -462,9 +462,9 @@ def decompress_bytes(
                 codec, tokens, header.chunk, header.group, decoder, True, budget, header.version, header.adapt
             )
     except (AssertionError, ValueError) as e:  # constriction's answer to code no model could have written
-        raise _undecodable(name, e) from None
+        raise _undecodable(name, e, header) from None
     except TenxError as e:
-        raise TenxError(f"{name}: {e}") from None
+        raise TenxError(f"{name}: {e}{_settings_note(header)}") from None
     return _verified(codec, header, spell(codec, tokens), name)
 
 
@@ -548,8 +548,21 @@ def _body(blob: bytes, header: Header) -> np.ndarray:
     return np.frombuffer(blob, dtype="<u4", offset=header.size).astype(np.uint32)
 
 
-def _undecodable(name: str, e: Exception) -> TenxError:
-    return TenxError(f"{name} cannot be decoded with this model ({e})")
+def _undecodable(name: str, e: Exception, header: Header) -> TenxError:
+    return TenxError(f"{name} cannot be decoded with this model ({e}){_settings_note(header)}")
+
+
+def _settings_note(header: Header) -> str:
+    """What an error decoding an adaptive file adds: its header's adaptation settings, which are part of the
+    code (a header forged or damaged there, in range and with its checksum recomputed, decodes to other
+    bytes); empty for other files."""
+    if header.adapt is None:
+        return ""
+    return (
+        f"; its header's adaptation settings (learning rate {header.adapt.lr!r}, every {header.adapt.every} "
+        "positions) are part of the code: settings other than those it was compressed with (a forged or "
+        "damaged header) decode to other bytes"
+    )
 
 
 def _verified(codec: CodecModel, header: Header, data: bytes | None, name: str) -> bytes:
@@ -558,5 +571,6 @@ def _verified(codec: CodecModel, header: Header, data: bytes | None, name: str) 
         raise TenxError(
             f"{name}: the decoded bytes do not match the original's xxhash, so nothing was written; the "
             "probabilities differed from compression's (another CPU type or torch build?)"
+            + _settings_note(header)
         )
     return data
