@@ -202,3 +202,26 @@ def test_the_guard_opens_an_incident_when_the_loss_level_rises_without_a_spike()
     for k in range(200):  # a healthy, noisy curve never rises
         healthy.record_good(3.0 + 2.5 * math.exp(-k / 20) + 0.3 * math.sin(k), 1.0)
         assert healthy.rise() is None
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_bf16_attention_backward_is_judged_although_its_inputs_look_ill_conditioned(planted):
+    """SDPA's backward takes the forward's bf16 output as an input: one bf16 rounding of it moves the exact
+    gradient by several times its size, so the old rule never judged the op in bf16 (llama-bf16 missed its
+    planted fault). Its kernel computes in float32 from the output it is given and agrees with float64 to
+    ~1e-3; a negated gradient (relative error 2) is judged against one float32 rounding, and named."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 3, 64, 32, generator=gen).bfloat16().requires_grad_(True) for _ in range(3))
+    weights = torch.randn(8, 3, 64, 32, generator=gen).bfloat16()
+    bug = OpBug(op="sdpa_backward") if planted else contextlib.nullcontext()
+    with bug, OpChecker(torch.nn.Identity()) as checker:
+        (F.scaled_dot_product_attention(q, k, v, is_causal=True) * weights).sum().backward()
+    if planted:
+        assert checker.first is not None and "scaled_dot_product" in checker.first.op
+        assert checker.first.phase == "backward" and checker.first.problem == "diverges"
+    else:
+        assert checker.first is None, checker.first
