@@ -10,6 +10,8 @@ import pytest
 
 from tenx.cli import main
 from tenx.compress.container import HEADER, CodecAdaptation, _digest, header_bytes, read_header
+from tenx.data.tokenizer import BPE_FILE, BPETokenizer, check_round_trip, train_bpe
+from tenx.errors import DataError
 from tenx.train.run import train
 
 
@@ -76,3 +78,54 @@ def test_forged_in_range_adaptation_settings_are_named(run, tmp_path, capsys, lr
     assert str(packed) in err
     assert f"adaptation settings (learning rate {lr!r}, every {every} positions)" in err
     assert not out.exists()
+
+
+# ----- a tokenizer's panic is an error naming the tokenizer, not a traceback ----------------------------------
+
+PANIC_TEXT = "a" * 40 + "b"  # `(a+)+$` backtracks on it past Oniguruma's retry limit: `tokenizers` panics
+
+
+def _panicking_tokenizer(directory: Path) -> Path:
+    """A byte-level BPE tokenizer.json whose pre-tokenizer splits on `(a+)+$` (refused on loading since
+    issue 47 item 6; here it stands for any pattern that makes `tokenizers` panic)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    hf = train_bpe(["def f(x):\n    return x\n"] * 20, 300)._hf
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex("(a+)+$"), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save(str(directory / BPE_FILE))
+    return directory / BPE_FILE
+
+
+def test_a_tokenizer_panic_in_the_round_trip_check_names_the_tokenizer(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = _panicking_tokenizer(tmp_path / "tok")
+    tokenizer = BPETokenizer(HFTokenizer.from_file(str(path)), path)
+    assert tokenizer.decode(tokenizer.encode("def f(x): pass")) == "def f(x): pass"  # ordinary text encodes
+    with pytest.raises(DataError) as caught:
+        check_round_trip(tokenizer, [("m.py", PANIC_TEXT, None)], "--tokenizer-from tok")
+    message = str(caught.value)
+    assert message.startswith(f"{path}: the tokenizer panicked while encoding (PanicException: ")
+    assert "retry-limit-in-match over" in message and "'(a+)+$'" in message
+    with pytest.raises(DataError, match=r"panicked while encoding .*'\(a\+\)\+\$'"):
+        tokenizer.encode_batch(["x", PANIC_TEXT])
+
+
+def test_prepare_with_a_panicking_tokenizer_ends_in_one_error_line(tmp_path, capsys, monkeypatch):
+    from tenx.data import tokenizer_regex
+
+    path = _panicking_tokenizer(tmp_path / "tok")
+    monkeypatch.setattr(tokenizer_regex, "backtracking_problem", lambda pattern: None)  # a pattern it misses
+    source = tmp_path / "corpus"
+    source.mkdir()
+    (source / "a.py").write_text(f"x = '{PANIC_TEXT}'\n")
+    (source / "b.py").write_text("def f(x):\n    return x\n" * 5)
+    argv = ["data", "prepare", "--source", str(source), "--out", str(tmp_path / "data"), "--tokenizer-from"]
+    assert main([*argv, str(path.parent), "--val-ratio", "0.1", "--heldout-ratio", "0.1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"tenx: error: {path}: the tokenizer panicked while encoding (PanicException: ")
+    assert "'(a+)+$'" in err

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,9 @@ class BPETokenizer(Tokenizer):
 
     kind = "bpe"
 
-    def __init__(self, hf_tokenizer: HFTokenizer) -> None:
+    def __init__(self, hf_tokenizer: HFTokenizer, source: str | Path = "the BPE tokenizer") -> None:
+        self.source = str(source)
+        """The tokenizer's file, as errors name it."""
         eot_id = hf_tokenizer.token_to_id(EOT_TEXT)
         if eot_id is None:
             raise DataError(f"BPE tokenizer has no {EOT_TEXT!r} token; re-run `tenx data prepare`")
@@ -112,15 +115,38 @@ class BPETokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         """BPE ids of `text`."""
-        return self._hf.encode(text, add_special_tokens=False).ids
+        with self._panics("encoding"):
+            return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """BPE ids of each text, encoded in parallel by `tokenizers` (without offsets: 1.5x faster)."""
-        return [enc.ids for enc in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
+        with self._panics("encoding"):
+            return [enc.ids for enc in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of BPE ids."""
-        return self._hf.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
+        with self._panics("decoding"):
+            return self._hf.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
+
+    @contextlib.contextmanager
+    def _panics(self, doing: str) -> Iterator[None]:
+        """A Rust panic inside `tokenizers` (pyo3's PanicException: a BaseException, not an Exception, which
+        would end tenx with a traceback, or a prepare worker) as a DataError naming the tokenizer's file, the
+        panic and the tokenizer's regexes (a regex engine's limit is the usual cause)."""
+        try:
+            yield
+        except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - the panic, handed on as an error
+            from tenx.data.tokenizer_regex import tokenizer_regexes
+
+            patterns = "; ".join(
+                f"{where} {pattern[:200]!r}" for where, pattern in tokenizer_regexes(self._hf.to_str())
+            )
+            raise DataError(
+                f"{self.source}: the tokenizer panicked while {doing} ({type(e).__name__}: {_first_line(e)})"
+                + (f"; its regexes: {patterns}" if patterns else "")
+            ) from None
 
     def token_bytes(self) -> list[bytes]:
         """Each token's bytes, read back from its byte-level form (GPT-2's bytes-to-unicode alphabet);
@@ -237,7 +263,7 @@ def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) ->
                 "re-run `tenx data prepare`"
             ) from None
         check_tokenizer_regexes(hf, path)
-        tokenizer = BPETokenizer(hf)
+        tokenizer = BPETokenizer(hf, path)
     if (tokenizer.vocab_size, tokenizer.eot_id) != (entry["vocab_size"], entry["eot_id"]):
         raise DataError(
             f"tokenizer in {data_dir} has vocab_size {tokenizer.vocab_size}, eot_id {tokenizer.eot_id}; "
@@ -278,7 +304,7 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
     if EOT_TEXT not in {t.content for t in hf.get_added_tokens_decoder().values()}:
         # special, as in tenx's own BPE (it stands for no bytes); its id stays the vocabulary's
         hf.add_special_tokens([EOT_TEXT])
-    return BPETokenizer(hf)
+    return BPETokenizer(hf, path)
 
 
 def check_tokenizer_regexes(hf: HFTokenizer, path: Path) -> None:
@@ -330,6 +356,6 @@ def check_round_trip(
         )
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:200]
