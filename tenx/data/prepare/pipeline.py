@@ -4,8 +4,6 @@ shards + manifest + the train split's n-gram index."""
 from __future__ import annotations
 
 import itertools
-import json
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,13 +23,13 @@ from tenx.data.manifest import (
 )
 from tenx.data.ngrams import (
     DEFAULT_CONTAMINATION_THRESHOLD,
-    INDEX_FILE,
     default_n,
     load_index,
     remove_stale_indexes,
 )
 from tenx.data.prepare.dedup import group_splits, groups_from_signatures
 from tenx.data.prepare.engine import merge_scan, merge_tokenize, run_stage
+from tenx.data.prepare.outdir import check_out_dir, listed_files, remove_stale_files
 from tenx.data.prepare.partitioned import Partitions, decontaminate_partitions, fill, write_index
 from tenx.data.prepare.sources import effective_patterns, source_provenance
 from tenx.data.prepare.stream import (
@@ -44,7 +42,7 @@ from tenx.data.prepare.stream import (
     texts,
     tokenize,
 )
-from tenx.data.tokenizer import BPE_FILE, MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from tenx.data.tokenizer import MIN_BPE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from tenx.errors import ConfigError, DataError
 from tenx.utils.cpus import usable_cpu_count
 from tenx.utils.io import atomic_write_json, fsync_dir
@@ -55,8 +53,6 @@ TOKENIZER_SAMPLE_MB = 256.0
 """Default tokenizer sample: more than the standard library (31 MB), so small corpora use every document."""
 MIN_SPLIT_FOR_WARNING = 4
 """Decontamination warns when it moves most of a val or held-out split at least this large."""
-
-_SHARD_NAME = re.compile(r"^(train|val|heldout)_\d{5}\.(bin|idx)$")
 
 
 @dataclass
@@ -220,7 +216,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     n-grams are counted in hash partitions on disk (tenx/data/prepare/partitioned.py)."""
     cfg.validate()
     out = Path(cfg.out)
-    _check_out_dir(out)
+    check_out_dir(out)
     source_entry = _source_entry(cfg)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +267,7 @@ def _prepare(
         )
     if cfg.tokenizer_from:  # before anything of an earlier preparation is removed
         _check_imported_tokenizer(cfg, rows, ids)
-    previous = _listed_files(out)  # only files an earlier manifest listed may be removed as stale
+    previous = listed_files(out)  # only files an earlier manifest listed may be removed as stale
     # Drop any previous manifest first: shards are rewritten in place, and no manifest may point at them meanwhile.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(out)
@@ -310,7 +306,7 @@ def _prepare(
         "splits": splits,
     }
     atomic_write_json(out / MANIFEST_NAME, manifest)
-    _remove_stale_files(out, manifest, previous)
+    remove_stale_files(out, manifest, previous)
     remove_stale_indexes(out)
     if cfg.ngram_n:
         shards = [shard["xxhash"] for shard in splits["train"]["shards"]]
@@ -557,56 +553,3 @@ def _write_split(
         "documents": [ids[i] for i in members],
         "shards": writer.shards,
     }
-
-
-def _manifest_files(manifest: Any) -> set[str]:
-    """The file names a data manifest lists (tokenizer, shards, indexes); empty for anything malformed."""
-    try:
-        names = {manifest["tokenizer"]["file"]}
-        for entry in manifest["splits"].values():
-            for shard in entry["shards"]:
-                names.update((shard["file"], shard["index_file"]))
-    except (KeyError, TypeError, AttributeError):
-        return set()
-    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
-
-
-def _listed_files(out: Path) -> set[str]:
-    """The files the manifest already in `out` lists (none when there is no readable manifest)."""
-    try:
-        return _manifest_files(json.loads((out / MANIFEST_NAME).read_text()))
-    except (OSError, ValueError):
-        return set()
-
-
-def _check_out_dir(out: Path) -> None:
-    """Refuse an output that is a file, or a non-empty directory that is not a tenx data directory."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file, not a directory; give a directory (it is created if needed)")
-    if not out.is_dir():
-        return
-    foreign = sorted(
-        p.name
-        for p in out.iterdir()
-        if not (
-            p.name == MANIFEST_NAME
-            or p.name == BPE_FILE
-            or _SHARD_NAME.match(p.name)
-            or INDEX_FILE.match(p.name)
-            or p.name.startswith(".")
-        )
-    )
-    if foreign:
-        raise DataError(
-            f"--out {out} holds files tenx did not write ({', '.join(foreign[:3])}"
-            f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty directory, nothing was changed"
-        )
-
-
-def _remove_stale_files(out: Path, manifest: dict[str, Any], previous: set[str]) -> None:
-    # A re-prepare into the same directory may leave shards (or a tokenizer.json) the new manifest no longer
-    # names. Only files the previous manifest listed are removed: never one tenx did not write.
-    for name in sorted(previous - _manifest_files(manifest)):
-        path = out / name
-        if path.is_file() and (_SHARD_NAME.match(name) or name == BPE_FILE):
-            path.unlink()
