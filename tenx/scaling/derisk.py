@@ -13,10 +13,8 @@ original baseline is reported beside it.
 
 Intervals come from the bootstrap of the baseline fit combined with seed noise: with `seeds` > 1 the
 smallest budget is trained with several seeds, and the pooled standard deviation of the loss across seeds
-is taken as every run's noise. The trend is the least-squares slope of log10 m against log10 C; the
-verdict per change is
-
-Verdicts read the trend line (least squares of log m on log C) at the smallest and largest budget:
+is taken as every run's noise. Verdicts read the trend line (least squares of log10 m on log10 C) at the
+smallest and largest budget:
 
 - *grows*: the gain rises by more than `tolerance` (as a factor per decade of compute), or a change that
   does not help at the smallest budget helps at the largest;
