@@ -41,7 +41,7 @@ def listed_files(out: Path) -> set[str]:
         return set()
 
 
-def check_out_dir(out: Path) -> None:
+def check_prepare_out(out: Path) -> None:
     """Refuse an output that is a file, or a non-empty directory that is not a tenx data directory."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a directory; give a directory (it is created if needed)")

@@ -29,7 +29,7 @@ from tenx.data.ngrams import (
 )
 from tenx.data.prepare.dedup import group_splits, groups_from_signatures
 from tenx.data.prepare.engine import merge_scan, merge_tokenize, run_stage
-from tenx.data.prepare.outdir import check_out_dir, listed_files, remove_stale_files
+from tenx.data.prepare.outdir import check_prepare_out, listed_files, remove_stale_files
 from tenx.data.prepare.partitioned import Partitions, decontaminate_partitions, fill, write_index
 from tenx.data.prepare.sources import effective_patterns, source_provenance
 from tenx.data.prepare.stream import (
@@ -216,7 +216,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     n-grams are counted in hash partitions on disk (tenx/data/prepare/partitioned.py)."""
     cfg.validate()
     out = Path(cfg.out)
-    check_out_dir(out)
+    check_prepare_out(out)
     source_entry = _source_entry(cfg)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
