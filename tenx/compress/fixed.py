@@ -27,20 +27,28 @@ leave no such freedom:
 
 The softmax over the vocabulary becomes integer frequencies floor(exp(z - max z) * 2**24) + 1 exactly as on
 the float path. The price is float64 arithmetic and ~15-bit activations (the figures: docs/eval.md).
+
+This is a second forward pass beside `Transformer.forward`: it implements the components `COMPONENTS` names,
+by ModelConfig's field names and values and tenx/model/'s module classes, and `check_components` refuses a
+model with anything else (a field it does not know, a value or a module class it does not implement), naming
+it, instead of coding a file with a model it would compute wrongly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import NoReturn, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from tenx.model.transformer import Block, Transformer
+from tenx.errors import TenxError
+from tenx.model.config import ModelConfig
+from tenx.model.transformer import MLP, Attention, Block, RMSNorm, Transformer
 
 GRID_BITS = 15
 """Magnitude bits of the integers a matmul multiplies (activations and weights)."""
@@ -66,6 +74,66 @@ FREQ_ROWS = 32
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _TWO_PI = 6.283185307179586
+
+
+COMPONENTS: dict[str, tuple[object, ...]] = {
+    "norm": ("layernorm", "rmsnorm"),
+    "pos": ("learned", "rope"),
+    "mlp": ("gelu", "swiglu"),
+    "bias": (True, False),
+    "qk_norm": (True, False),
+    "tie_embeddings": (True, False),
+}
+"""ModelConfig's component fields (tenx/model/config.py) and the values of each this forward implements."""
+READ_AS_GIVEN = frozenset(
+    {"family", "depth", "aspect_ratio", "d_model", "head_dim", "n_heads", "n_kv_heads", "d_ff"}
+    | {"vocab_size", "seq_len", "rope_theta", "norm_eps", "z_loss", "init_std", "dropout"}
+)
+"""ModelConfig's other fields, whose every value this forward handles: sizes (read from the weights),
+constants it uses as they are, a family (its components are the fields above, resolved) and what acts only
+in training (the z-loss, initialisation, dropout)."""
+NORMS: dict[type[nn.Module], str] = {nn.LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
+"""The norm module classes this forward computes, by the `norm` value that builds each."""
+
+
+def check_components(model: nn.Module) -> None:
+    """Refuse (TenxError, naming it) a model with a component this forward does not implement: another model
+    class than tenx/model/'s Transformer, a ModelConfig field in neither COMPONENTS nor READ_AS_GIVEN, a
+    component value outside COMPONENTS, or a block, attention, MLP or norm module of another class than the
+    config builds."""
+    if type(model) is not Transformer:
+        _refuse(f"model class {type(model).__name__}", "Transformer (tenx/model/transformer.py)")
+    t = cast(Transformer, model)
+    for f in dataclasses.fields(t.cfg):
+        value = getattr(t.cfg, f.name)
+        if f.name in READ_AS_GIVEN:
+            continue
+        if f.name not in COMPONENTS:
+            _refuse(f"{ModelConfig.SECTION}.{f.name}={value!r}", f"the components {', '.join(COMPONENTS)}")
+        implemented = COMPONENTS[f.name]
+        if not any(type(value) is type(v) and value == v for v in implemented):
+            _refuse(f"{ModelConfig.SECTION}.{f.name}={value!r}", ", ".join(repr(v) for v in implemented))
+    norm = {kind: cls for cls, kind in NORMS.items()}[t.cfg.norm]
+    expected: list[tuple[str, nn.Module | None, type[nn.Module]]] = [("final_norm", t.final_norm, norm)]
+    for i, block in enumerate(t.blocks):
+        expected.append((f"blocks.{i}", block, Block))
+        if type(block) is Block:
+            attn = block.attn
+            expected += [(f"blocks.{i}.attn", attn, Attention), (f"blocks.{i}.mlp", block.mlp, MLP)]
+            expected += [(f"blocks.{i}.{n}", getattr(block, n), norm) for n in ("attn_norm", "mlp_norm")]
+            if type(attn) is Attention:
+                expected += [(f"blocks.{i}.attn.{n}", getattr(attn, n), norm) for n in ("q_norm", "k_norm")]
+    for name, module, cls in expected:
+        if module is not None and type(module) is not cls:
+            _refuse(f"module {name} of class {type(module).__name__}", cls.__name__)
+
+
+def _refuse(what: str, implemented: str) -> NoReturn:
+    raise TenxError(
+        f"the model has {what}, which the fixed-point forward of portable .tenx files does not implement "
+        f"(tenx/compress/fixed.py implements {implemented}): it would code with other probabilities than the "
+        "model's, so this model cannot compress or decompress until fixed.py learns the component"
+    )
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -208,7 +276,7 @@ class _Norm:
             module.weight.detach().to(device, torch.float64),
             None if bias is None else bias.detach().to(device, torch.float64),
             float(cast(float, module.eps)),
-            not isinstance(module, nn.LayerNorm),
+            NORMS[type(module)] == "rmsnorm",
         )
 
     def __call__(self, x_RD: torch.Tensor) -> torch.Tensor:
@@ -254,6 +322,7 @@ class FixedWeights:
     """A model's weights on the grid, its RoPE tables and value grids: built once per codec and device."""
 
     def __init__(self, model: Transformer, device: torch.device, linear_bits: int = GRID_BITS) -> None:
+        check_components(model)
         cfg = model.cfg
         self.linear_bits = linear_bits
         self.model = model
