@@ -26,7 +26,7 @@ from tenx.scaling import cli as scaling_cli
 from tenx.scaling import curves_cli
 from tenx.triage import cli as triage_cli
 from tenx.utils.cli import Parser
-from tenx.utils.io import STORAGE_ERRNOS, storage_error
+from tenx.utils.storage import STORAGE_ERRNOS, storage_error
 
 REGISTRATIONS = (
     data_cli.register,  # data prepare, data index

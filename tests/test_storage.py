@@ -84,7 +84,7 @@ def test_the_write_check_creates_no_folder_and_ranks_may_run_it_at_once(tmp_path
     then failed with 'No such file or directory' (seen in CI under torchrun)."""
     import threading
 
-    from tenx.utils.io import ensure_writable
+    from tenx.utils.storage import ensure_writable
 
     target = tmp_path / "runs" / "a" / "b"
     ensure_writable(target, "run directory")

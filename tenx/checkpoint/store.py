@@ -59,15 +59,13 @@ from tenx.checkpoint.safe import SafeFileSystemReader, TensorOnlyLoadPlanner, re
 from tenx.errors import CheckpointError, UnsafeCheckpointError
 from tenx.rundir import STEP_GLOB, step_dir_name, step_of
 from tenx.utils.io import (
-    LOW_SPACE,
     atomic_write_json,
     file_xxhash,
-    free_bytes,
     publish_dir,
     recover_interrupted_publishes,
     staging_dir,
-    storage_error,
 )
+from tenx.utils.storage import LOW_SPACE, free_bytes, storage_error
 
 # DCP warns that it saves/loads in a single process: that is intended here. Installed once rather than per
 # call with warnings.catch_warnings(), which swaps the process-wide filter list and is not thread-safe:

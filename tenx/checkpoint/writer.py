@@ -15,7 +15,7 @@ import torch
 
 from tenx.checkpoint.store import list_checkpoints, prune_checkpoints, save_checkpoint
 from tenx.errors import CheckpointError
-from tenx.utils.io import describe_storage_problem
+from tenx.utils.storage import describe_storage_problem
 
 
 def snapshot_tensors(tree: Any, into: Any = None) -> Any:

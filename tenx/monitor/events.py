@@ -1,9 +1,8 @@
 """The run's event log: rare, notable happenings (faults, rollbacks, hangs, restarts) in RUN_DIR/events.jsonl.
 
-Each event is one JSON line, written with a single append and fsynced before `emit` returns, so a record
-made just before a SIGKILL (a fault injector announcing the kill) is on disk when the process dies. The
-file stays strict JSON: NaN and infinities are written as the strings "nan", "inf" and "-inf", and NumPy or
-torch scalars as plain numbers.
+Each event is one JSON line (tenx.utils.io.json_line: strict JSON), written with a single append and fsynced
+before `emit` returns, so a record made just before a SIGKILL (a fault injector announcing the kill) is on
+disk when the process dies.
 """
 
 from __future__ import annotations
@@ -16,68 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
-from tenx.errors import DataError
-from tenx.utils.io import fsync_dir, read_jsonl
-
-
-def _plain(value: Any) -> Any:
-    """`value` with non-finite floats as strings and containers converted, recursively."""
-    if isinstance(value, float):  # numpy.float64 included: it subclasses float
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return float(value)
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _fallback(value: Any) -> Any:
-    """json.dumps hook: NumPy/torch scalars and arrays become numbers and lists, anything else its str()."""
-    if hasattr(value, "tolist"):
-        return _plain(value.tolist())
-    if hasattr(value, "item"):
-        return _plain(value.item())
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return str(value)
-
-
-def json_line(record: dict[str, Any]) -> str:
-    """`record` as one line of strict JSON (no NaN/Infinity tokens), newline included."""
-    return json.dumps(_plain(record), default=_fallback, allow_nan=False) + "\n"
-
-
-def append_line(path: Path, line: str, sync: bool) -> None:
-    """Append `line` with one write; first end a torn last line left by a killed writer."""
-    created = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        if ends_mid_line(path):
-            line = "\n" + line
-        os.write(fd, line.encode("utf-8"))
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if created and sync:
-        fsync_dir(path.parent)
-
-
-def ends_mid_line(path: Path) -> bool:
-    """Whether `path` ends in a line without its newline (the torn write of a killed process)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return False
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) != b"\n"
-    except FileNotFoundError:
-        return False
+from tenx.utils.io import append_line, json_line, read_jsonl, require_file
 
 
 class EventLog:
@@ -93,15 +31,6 @@ class EventLog:
         line = json_line(record)
         append_line(self.path, line, sync=True)
         return json.loads(line)
-
-
-def require_file(path: Path, what: str) -> None:
-    """A DataError naming `path` when it exists but is not a regular file (a directory in a file's place)."""
-    if path.exists() and not path.is_file():
-        kind = "a directory" if path.is_dir() else "not a regular file"
-        raise DataError(
-            f"{path} is {kind}, not {what}; move it out of the way (tenx writes this file itself)"
-        )
 
 
 def event_problem(record: dict[str, Any]) -> str | None:

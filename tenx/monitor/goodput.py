@@ -41,9 +41,9 @@ from typing import Any, TextIO
 
 from tenx import rundir
 from tenx.errors import TenxError
-from tenx.monitor.events import ends_mid_line, json_line, read_events_counted, require_file
+from tenx.monitor.events import read_events_counted
 from tenx.utils.cli import counted
-from tenx.utils.io import read_jsonl
+from tenx.utils.io import ends_mid_line, json_line, read_jsonl, require_file
 
 LEDGER_FILE = rundir.LEDGER
 _STEP_FIELD = {"step": "step", "rollback": "to_step"}  # records that are meaningless without this integer

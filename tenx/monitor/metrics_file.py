@@ -3,12 +3,10 @@ in tenx/train/callbacks/metrics.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from tenx.monitor.events import require_file
-from tenx.utils.io import read_jsonl
+from tenx.utils.io import jsonl_records, read_jsonl, require_file
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -25,21 +23,13 @@ def read_metrics_counted(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     place is a DataError naming it."""
     path = Path(path)
     require_file(path, "a metrics file")
-    lines = path.read_bytes().split(b"\n")
+    damaged: list[int] = []
     records: list[dict[str, Any]] = []
     skipped = 0
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:  # NaN is allowed: a skipped step's loss is written as NaN
-            record = json.loads(line.decode("utf-8", errors="replace"))
-        except ValueError:
-            if i == len(lines) - 1:  # the last piece has no newline: the write a crash cut short
-                continue
-            record = None
-        step = record.get("step") if isinstance(record, dict) else None
+    for _, record in jsonl_records(path, passed_over=damaged):
+        step = record.get("step")
         if isinstance(step, int) and not isinstance(step, bool):
             records.append(record)
         else:
             skipped += 1
-    return records, skipped
+    return records, skipped + len(damaged)

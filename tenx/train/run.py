@@ -30,8 +30,8 @@ from tenx.train.callbacks.wandb_sink import WandbSink
 from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
 from tenx.train.trainer import Callback, Trainer
-from tenx.utils.io import describe_storage_problem, ensure_writable
 from tenx.utils.lock import exclusive_writer
+from tenx.utils.storage import describe_storage_problem, ensure_writable
 
 
 def default_callbacks(

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import TenxError
-from tenx.monitor.events import json_line, read_events
+from tenx.monitor.events import read_events
 from tenx.monitor.goodput import read_ledger
 from tenx.rundir import RunDir
-from tenx.utils.io import bytes_xxhash
+from tenx.utils.io import bytes_xxhash, json_line
 
 SCHEMA_VERSION = 1
 # fmt: off

@@ -1,11 +1,11 @@
-"""Durable file I/O: atomic writes (temp + fsync + rename) of files and directories, the one JSON-lines
-reader, and xxhash checksums."""
+"""Durable file I/O: atomic writes (temp + fsync + rename) of files, streamed files and directories, the
+JSON-lines format (the one reader, and the one line writer of append logs), and xxhash checksums."""
 
 from __future__ import annotations
 
-import errno
 import io
 import json
+import math
 import os
 import secrets
 import shutil
@@ -18,6 +18,7 @@ from typing import Any, Literal
 import xxhash
 
 from tenx.errors import DataError, TenxError
+from tenx.utils.storage import format_bytes
 
 _CHUNK = 1 << 22
 
@@ -255,7 +256,11 @@ def recover_interrupted_publishes(parent: str | os.PathLike[str], names: str = "
 
 
 def jsonl_records(
-    path: str | os.PathLike[str], *, torn: Literal["last", "any"] = "last", missing_ok: bool = False
+    path: str | os.PathLike[str],
+    *,
+    torn: Literal["last", "any"] = "last",
+    missing_ok: bool = False,
+    passed_over: list[int] | None = None,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each line of the JSON-lines file `path`, in order; blank lines are passed over.
 
@@ -264,8 +269,10 @@ def jsonl_records(
     - torn="last" (one writer at a time, and a resume rewrites the file whole): only as the last line,
       unterminated; any other line that is not a JSON object is an error.
     - torn="any" (an append log whose next writer ends a torn last line with a newline and carries on,
-      tenx.monitor.events.append_line): on any line, so every line that is not a JSON object is passed over.
-    A missing file raises FileNotFoundError, or yields nothing with `missing_ok`.
+      append_line): on any line, so every line that is not a JSON object is passed over.
+    `passed_over` (a list), for a reader that shows what it can: a line that would be an error is passed
+    over instead and its number appended to the list. A missing file raises FileNotFoundError, or yields
+    nothing with `missing_ok`.
     """
     try:
         data = Path(path).read_bytes()
@@ -276,7 +283,13 @@ def jsonl_records(
     lines = data.split(b"\n")
     for i, line in enumerate(lines):
         # a last piece that is not blank has no newline: the write that a crash cut short, maybe
-        record = _jsonl_record(line, path, i + 1, skip_bad=torn == "any", maybe_torn=i == len(lines) - 1)
+        try:
+            record = _jsonl_record(line, path, i + 1, skip_bad=torn == "any", maybe_torn=i == len(lines) - 1)
+        except DataError:
+            if passed_over is None:
+                raise
+            passed_over.append(i + 1)
+            continue
         if record is not None:
             yield i + 1, record
 
@@ -309,6 +322,77 @@ def _jsonl_record(
     raise DataError(
         f"{path}: line {line_no}: expected a JSON object, got {type(record).__name__}; fix or remove the line"
     )
+
+
+def _plain(value: Any) -> Any:
+    """`value` with non-finite floats as strings and containers converted, recursively."""
+    if isinstance(value, float):  # numpy.float64 included: it subclasses float
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return float(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _fallback(value: Any) -> Any:
+    """json.dumps hook: NumPy/torch scalars and arrays become numbers and lists, anything else its str()."""
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if hasattr(value, "item"):
+        return _plain(value.item())
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """`record` as one line of strict JSON, newline included: NaN and infinities as the strings "nan", "inf"
+    and "-inf" (no NaN/Infinity tokens), NumPy or torch scalars as plain numbers."""
+    return json.dumps(_plain(record), default=_fallback, allow_nan=False) + "\n"
+
+
+def append_line(path: Path, line: str, sync: bool) -> None:
+    """Append `line` to the JSON-lines log `path` with one write (any number of processes may append, a
+    line at a time); first end a torn last line left by a killed writer. `sync`: fsync before returning."""
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if ends_mid_line(path):
+            line = "\n" + line
+        os.write(fd, line.encode("utf-8"))
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created and sync:
+        fsync_dir(path.parent)
+
+
+def ends_mid_line(path: Path) -> bool:
+    """Whether `path` ends in a line without its newline (the torn write of a killed process)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def require_file(path: Path, what: str) -> None:
+    """A DataError naming `path` when it exists but is not a regular file (a directory in a file's place)."""
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise DataError(
+            f"{path} is {kind}, not {what}; move it out of the way (tenx writes this file itself)"
+        )
 
 
 class JsonlTail:
@@ -369,98 +453,6 @@ def file_xxhash(path: str | os.PathLike[str]) -> str:
 def bytes_xxhash(data: bytes) -> str:
     """xxh3-64 hex digest of bytes."""
     return xxhash.xxh3_64_hexdigest(data)
-
-
-# Errors of the place a file is written, not of tenx: the user frees space or picks another directory.
-STORAGE_ERRNOS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.EFBIG: "file too large for this file system",
-}
-_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-LOW_SPACE = 1 << 20
-
-
-def storage_error(error: BaseException) -> OSError | None:
-    """The OSError of a full, read-only or forbidden filesystem behind `error` (its causes and contexts,
-    and the per-rank failures of a torch.distributed.checkpoint exception), or None."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [error]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
-            return e
-        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception or traceback}
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None
-
-
-def free_bytes(path: str | os.PathLike[str]) -> int | None:
-    """Free bytes on the filesystem holding `path` (its nearest existing parent), None if unknown."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
-def describe_storage_problem(error: BaseException, path: str | os.PathLike[str]) -> str | None:
-    """'no space left on device (12 KB free on /mnt/x)'-style words for a failed write under `path`,
-    or None when the failure is not the filesystem's. A write into a full filesystem does not always
-    surface as ENOSPC (torch's zip writer reports a position mismatch), so a filesystem with under 1 MiB
-    free counts as full too."""
-    found = storage_error(error)
-    free = free_bytes(path)
-    where = f"{format_bytes(free)} free on the file system of {path}" if free is not None else str(path)
-    if found is not None:
-        words, target = STORAGE_ERRNOS[found.errno or 0], found.filename or path
-        low = found.errno in _SPACE and free is not None and free < LOW_SPACE
-        return f"{words} ({target}; {where})" if low else f"{words} ({target})"
-    if free is not None and free < LOW_SPACE:
-        return f"no space left on device ({where})"
-    return None
-
-
-def format_bytes(n: int) -> str:
-    """1536 -> '1.5 KB' (powers of 1024, one decimal)."""
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def ensure_writable(directory: str | os.PathLike[str], what: str) -> None:
-    """Check that a file can be created in `directory`, or raise TenxError naming it and what to do.
-
-    The probe goes into the deepest folder that already exists and creates no folder: several ranks
-    check the same run directory at once, and a check that created and removed folders raced with them
-    (one rank removed the folder another was probing). Each probe file has a unique name."""
-    directory = Path(directory)
-    probe_dir = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
-    try:
-        if not probe_dir.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe_dir))
-        fd, name = tempfile.mkstemp(dir=probe_dir, prefix=".tenx-write-check.")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        problem = STORAGE_ERRNOS.get(e.errno or 0, e.strerror or type(e).__name__)
-        raise TenxError(
-            f"cannot write the {what} {directory}: {problem} ({e.filename or directory}); nothing was "
-            f"written: choose a directory on a writable file system with free space"
-        ) from e
 
 
 def check_output_file(

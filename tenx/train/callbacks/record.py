@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import xxhash
 
-from tenx.monitor.events import append_line, json_line
 from tenx.train.hooks import Callback, TrainerView
-from tenx.utils.io import read_jsonl
+from tenx.utils.io import append_line, json_line, read_jsonl
 
 MAX_FRAMES = 12
 """Innermost frames kept in a crash record."""

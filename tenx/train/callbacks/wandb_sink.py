@@ -38,7 +38,8 @@ from tenx.errors import ConfigError, DataError, TenxError
 from tenx.monitor.events import read_events
 from tenx.monitor.prediction_file import Prediction, read_prediction
 from tenx.train.hooks import Callback, TrainerView
-from tenx.utils.io import atomic_write_json, ensure_writable
+from tenx.utils.io import atomic_write_json
+from tenx.utils.storage import ensure_writable
 
 WANDB_RUN_ID = re.compile(r"[0-9a-f]{16}")
 DEFAULT_PROJECT = "tenx"
