@@ -17,9 +17,9 @@ from tenx.monitor.goodput import (
     Ledger,
     compute_goodput,
     format_goodput,
-    format_status,
     process_start_time,
 )
+from tenx.monitor.status import format_status
 
 SUPERVISOR, A, B = 1, 10, 11
 

@@ -11,7 +11,7 @@ import pytest
 
 from tenx.data.loader import TokenStream
 from tenx.data.tokenizer import load_tokenizer, train_bpe
-from tenx.monitor.goodput import format_status
+from tenx.monitor.status import format_status
 from tenx.rundir import RunDir
 from tenx.train.callbacks.record import read_steps
 from tenx.train.run import train

@@ -9,8 +9,8 @@ from tenx.utils.cli import subcommand
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    """Print the run's status (tenx.monitor.goodput.format_status)."""
-    from tenx.monitor.goodput import format_status
+    """Print the run's status (tenx.monitor.status.format_status)."""
+    from tenx.monitor.status import format_status
 
     print(format_status(args.run_dir, events_shown=args.events))
 
