@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tenx import rundir
-from tenx.monitor.events import ends_mid_line, json_line, require_file
 from tenx.utils.cli import counted
-from tenx.utils.io import read_jsonl
+from tenx.utils.io import ends_mid_line, json_line, read_jsonl, require_file
 
 LEDGER_FILE = rundir.LEDGER
 _STEP_FIELD = {"step": "step", "rollback": "to_step"}  # records that are meaningless without this integer
