@@ -12,12 +12,12 @@ import argparse
 import os
 import sys
 
+from tenx.commands import cli as commands_cli
 from tenx.compress import cli as compress_cli
 from tenx.data import cli as data_cli
 from tenx.errors import TenxError
 from tenx.eval import cli as eval_cli
 from tenx.export import cli as export_cli
-from tenx.launch import cli as launch_cli
 from tenx.monitor import cli as monitor_cli
 from tenx.monitor.dashboard import cli as dashboard_cli
 from tenx.parallel import cli as parallel_cli
@@ -30,7 +30,7 @@ from tenx.utils.storage import STORAGE_ERRNOS, storage_error
 
 REGISTRATIONS = (
     data_cli.register,  # data prepare, data index
-    launch_cli.register,  # train (--supervise: tenx/launch/supervise.py), quickstart
+    commands_cli.register,  # train (--supervise: tenx/launch/supervise.py), quickstart
     monitor_cli.register,  # status
     dashboard_cli.register,  # dashboard, report
     triage_cli.register,  # incidents, replay, triage

@@ -173,8 +173,8 @@ def test_supervisor_section_flags_and_docs(capsys):
     import dataclasses
 
     from tenx.cli import main
+    from tenx.commands.cli import SUPERVISOR_FLAG_NAMES, SUPERVISOR_FLAGS
     from tenx.config import bounds_text
-    from tenx.launch.cli import SUPERVISOR_FLAG_NAMES, SUPERVISOR_FLAGS
     from tenx.launch.supervise import SupervisorConfig
 
     with pytest.raises(ConfigError, match=r"supervisor\.backoff_s: must be >= 0, got -1\.0"):

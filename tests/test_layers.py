@@ -22,9 +22,9 @@ LAYERS: list[list[str]] = [
     ["tenx.train"],
     ["tenx.launch", "tenx.eval", "tenx.triage", "tenx.export", "tenx.compress"],
     ["tenx.scaling", "tenx.plan", "tenx.quickstart"],
-    # The warm spare runs a `tenx` command line: it is an entry point, like __main__; so is `tenx train`,
-    # whose runs tenx.scaling's self-extrapolation watches.
-    ["tenx.cli", "tenx.__main__", "tenx.launch.worker", "tenx.launch.cli"],
+    # The entry points: the `tenx` command, and the commands that start runs (tenx/commands/: `tenx train`,
+    # whose runs tenx.scaling's self-extrapolation watches, `tenx quickstart`, the supervisor's warm spare).
+    ["tenx.cli", "tenx.__main__", "tenx.commands"],
 ]
 
 # File and folder names of a run directory: only tenx/rundir.py spells them (every string constant it

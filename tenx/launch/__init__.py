@@ -1,2 +1,3 @@
-"""Launching runs: `tenx train` and `tenx quickstart` (cli.py), the supervisor that restarts runs, its
-warm spare worker, and the Slurm job that runs them on a cluster (slurm.py)."""
+"""Launching runs: the supervisor that restarts them (supervise.py) and the Slurm job that runs them on a
+cluster (slurm.py). The commands that start them, `tenx train` and `tenx quickstart`, and the supervisor's
+warm spare worker are entry points: tenx/commands/."""

@@ -18,8 +18,9 @@ Restarts are limited: at most `max_restarts` in all, and the supervisor gives up
 progress wait `backoff_s`, doubling up to a minute, before the next start. These options are the
 `[supervisor]` section, SupervisorConfig (its fields are `tenx train`'s supervisor flags).
 
-A warm spare cuts restart time: while the child trains, the next interpreter is already started with
-torch and tenx imported and waits on its stdin for its arguments (single-process runs only). The
+A warm spare cuts restart time: while the child trains, the next interpreter (tenx/commands/worker.py) is
+already started with torch and tenx imported and waits on its stdin for its arguments (single-process runs
+only). The
 supervisor also watches the run's ledger as a heartbeat (`heartbeat_timeout_s`): a child that writes no
 step for that long gets SIGUSR1 (its stacks are dumped to the run directory) and then SIGKILL, which
 catches hangs the in-process watchdog cannot see (C code that never releases the GIL).
@@ -51,9 +52,9 @@ from tenx.monitor.events import EventLog, read_events
 from tenx.monitor.goodput import Ledger, read_ledger
 from tenx.rundir import RunDir
 from tenx.train.watchdog import EXIT_HANG
-from tenx.utils.cli import counted
 from tenx.utils.io import atomic_write_json
 from tenx.utils.lock import exclusive_writer, holder_environment
+from tenx.utils.text import counted
 
 EXIT_USAGE = 2
 """Exit status of a run that stopped with an error restarting cannot fix."""
@@ -225,7 +226,7 @@ class _Spares:
     def warm(self) -> None:
         if self.enabled and self.spare is None:
             self.spare = subprocess.Popen(
-                [sys.executable, "-m", "tenx.launch.worker"], stdin=subprocess.PIPE, env=self.env
+                [sys.executable, "-m", "tenx.commands.worker"], stdin=subprocess.PIPE, env=self.env
             )
 
     def take(self, argv: list[str]) -> subprocess.Popen[bytes] | None:

@@ -1,6 +1,6 @@
 """A warm spare for the supervisor: import torch and tenx now, read the command line later.
 
-`python -m tenx.launch.worker` imports everything a training run needs, then blocks on one line of
+`python -m tenx.commands.worker` imports everything a training run needs, then blocks on one line of
 stdin holding the JSON list of `tenx` arguments; it runs them and exits with their status. End of input
 without a line exits 0 (the supervisor no longer needs the spare).
 """

@@ -4,7 +4,7 @@ and `tenx quickstart` (prepare, train and evaluate on the standard library; tenx
 The supervisor's flags (`--max-restarts`, `--backoff`, `--launcher`, ...) are generated from the fields of
 SupervisorConfig, the `[supervisor]` section (tenx/launch/supervise.py). `tenx train ... --emit slurm`
 writes the run's Slurm job instead of training (tenx/launch/slurm.py). An entry point like
-tenx/launch/worker.py, this module sits in the top layer: a run it trains is watched by tenx.scaling's
+tenx/commands/worker.py, this module sits in the top layer: a run it trains is watched by tenx.scaling's
 self-extrapolation.
 """
 
