@@ -59,8 +59,8 @@ from tenx.errors import TenxError
 from tenx.eval.load import LoadedModel
 from tenx.model.transformer import Block, Transformer
 from tenx.rundir import step_dir_name
-from tenx.utils.cli import counted
 from tenx.utils.cpus import usable_cpu_count
+from tenx.utils.text import counted
 
 __all__ = ["CodecModel", "compress_bytes", "decompress_bytes", "decompress_many", "load_codec", "to_ids"]
 

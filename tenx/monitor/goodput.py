@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tenx import rundir
-from tenx.utils.cli import counted
 from tenx.utils.io import ends_mid_line, json_line, read_jsonl, require_file
+from tenx.utils.text import counted
 
 LEDGER_FILE = rundir.LEDGER
 _STEP_FIELD = {"step": "step", "rollback": "to_step"}  # records that are meaningless without this integer

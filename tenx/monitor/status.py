@@ -13,7 +13,7 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.events import read_events_counted
 from tenx.monitor.goodput import compute_goodput, format_goodput
-from tenx.utils.cli import counted
+from tenx.utils.text import counted
 
 
 def _number(value: Any) -> str:

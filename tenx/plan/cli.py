@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tenx.utils.cli import add_set, at_least, counted, subcommand
+from tenx.utils.cli import add_set, at_least, subcommand
+from tenx.utils.text import counted
 
 MAX_MEASURE_STEPS = 1000
 """The most `--measure --steps`: a calibration needs a handful, and a billion would train for days."""

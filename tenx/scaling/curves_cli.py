@@ -11,7 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tenx.utils.cli import above, counted, subcommand
+from tenx.utils.cli import above, subcommand
+from tenx.utils.text import counted
 
 SIZE_FLAGS = ("params", "tokens_per_step")
 """What a TensorBoard log or a W&B export does not record: given as flags, never guessed."""

@@ -38,7 +38,7 @@ from tenx.triage.counterfactual import counterfactual, diverged_state, episode
 from tenx.triage.incident_store import Incident, IncidentStore
 from tenx.triage.outcome import StepOutcome, outcome_of_crash
 from tenx.triage.replay import Replayer, replay
-from tenx.utils.cli import counted
+from tenx.utils.text import counted
 
 OUTLIER_Z = 6.0
 """A batch whose loss is this many standard deviations above other batches' is anomalous data."""

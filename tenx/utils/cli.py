@@ -131,8 +131,3 @@ def _bounded(
 
     parse.__name__ = what  # argparse's own messages name the type by it
     return parse
-
-
-def counted(n: int, noun: str, plural: str | None = None) -> str:
-    """`n` and the noun in the number it needs: "1 incident", "2 incidents", "1 root cause"."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

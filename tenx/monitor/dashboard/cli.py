@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tenx.utils.cli import above, counted, subcommand
+from tenx.utils.cli import above, subcommand
+from tenx.utils.text import counted
 
 
 def cmd_dashboard(args: argparse.Namespace) -> None:

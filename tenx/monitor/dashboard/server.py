@@ -33,8 +33,8 @@ from tenx import rundir
 from tenx.errors import TenxError
 from tenx.monitor.dashboard.data import RunView, unique_names
 from tenx.monitor.dashboard.page import LIVE_CSP, dashboard_js, plotly_js, render_page
-from tenx.utils.cli import counted
 from tenx.utils.net import parse_bind
+from tenx.utils.text import counted
 
 DEFAULT_BIND = "127.0.0.1:8050"
 FILE_TYPES = {

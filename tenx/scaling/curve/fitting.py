@@ -40,7 +40,7 @@ from tenx.scaling.curve.curve_laws import (
 )
 from tenx.scaling.curve.schedule import PARAMS_UNIT, PROGRESS_UNIT, Curve
 from tenx.scaling.fit.solver import with_serial_blas
-from tenx.utils.cli import counted
+from tenx.utils.text import counted
 
 SAMPLES_PER_WINDOW = 5
 MAX_EVALUATIONS = 400
