@@ -1,5 +1,5 @@
-"""What the hardware can do: device choice, bf16 and float64 support, copies to a GPU that do not block, torch's
-CPU thread count (`choose_threads`), and peak matmul FLOP/s for MFU.
+"""What the hardware can do: device choice, bf16 and float64 support, copies to a GPU that do not block, and
+peak matmul FLOP/s for MFU (torch's CPU thread count is chosen in tenx/utils/cpus.py).
 
 On a GPU the peak is the vendor's dense figure for the dtype; on a CPU there is no such figure, so each run
 measures a square matmul briefly on the threads torch uses, and a cache per (CPU, threads, dtype, torch)
@@ -14,15 +14,16 @@ import json
 import os
 import platform
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from tenx.errors import ConfigError
-from tenx.utils.cpus import busy_cpus, usable_cpu_count
+from tenx.utils.cpus import torch_default_threads, usable_cpu_count
 from tenx.utils.io import atomic_write_json
+
+torch_default_threads()  # read torch's own thread count now, before tenx sets any (utils/cpus.py)
 
 # Dense (non-sparse) peak FLOP/s by GPU model, as torch.cuda.get_device_name spells it; bf16 and fp32.
 # The first model named in the device name wins (gpu_peak), so a variant precedes its family.
@@ -123,62 +124,6 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def float64_device(device: torch.device) -> torch.device:
     """Where float64 math on `device`'s tensors can run: `device`, or the CPU for MPS (no float64 there)."""
     return torch.device("cpu") if device.type == "mps" else device
-
-
-_TORCH_DEFAULT_THREADS = torch.get_num_threads()
-"""torch's own intra-op thread count, read before tenx sets any: the physical cores, or OMP_NUM_THREADS."""
-BUSY_SHARE = 0.3
-"""A CPU counts as taken when other programs use at least this share of it. Too many threads cost far more
-than too few: with one other process on one of two cores, two torch threads made a training step 20 times
-slower (1.2 s against 0.06 s) and `tenx eval` 5 times (129 s against 24 s), where one thread costs at most
-half the speed of two on an idle machine."""
-
-
-def env_threads() -> int | None:
-    """The thread count OMP_NUM_THREADS (else MKL_NUM_THREADS) sets, or None when neither holds a count."""
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        text = os.environ.get(name, "").strip()
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return None
-
-
-def choose_threads(
-    requested: int | None = None, flag: str = "--threads N", share: int = 1, *, quiet: bool = False
-) -> int:
-    """torch's CPU thread count for a command: `requested` when given (a `--threads` flag, train.threads);
-    else OMP_NUM_THREADS when set; else the usable CPUs (tenx.utils.cpus.usable_cpu_count: affinity,
-    cgroup quota, Slurm; at most torch's own default, the physical cores) less those other programs keep
-    busy (tenx.utils.cpus.busy_cpus, a tenth of a second), divided among the `share` processes of this
-    job on this machine. A choice cut by busy CPUs is said in one line on stderr, naming `flag` to override
-    (`quiet`: not said; a training run that re-checks says it in an event).
-    """
-    if requested is not None:
-        return requested
-    from_env = env_threads()
-    if from_env is not None:
-        return from_env
-    cpus = max(1, min(usable_cpu_count(), _TORCH_DEFAULT_THREADS))
-    if cpus // share <= 1:
-        return 1
-    busy = busy_cpus()
-    taken = min(cpus, int(busy + 1 - BUSY_SHARE))
-    threads = max(1, (cpus - taken) // share)
-    if threads < cpus // share and not quiet:
-        print(
-            f"tenx: other programs keep {busy:.1f} of {cpus} CPUs busy: torch uses {threads} thread"
-            f"{'s' if threads > 1 else ''}, not {cpus // share} (threads sharing a core wait on each "
-            f"other); {flag} to choose",
-            file=sys.stderr,
-        )
-    return threads
-
-
-def set_torch_threads(requested: int | None = None, flag: str = "--threads N", share: int = 1) -> int:
-    """Set torch's CPU threads to `choose_threads(requested, flag, share)`; the count set."""
-    threads = choose_threads(requested, flag, share)
-    torch.set_num_threads(threads)
-    return threads
 
 
 def cpu_name() -> str:

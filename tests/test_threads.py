@@ -44,9 +44,9 @@ def _machine(monkeypatch, cpu_count: int, affinity: set[int] | None) -> None:
 
 def _contention(monkeypatch, cpus_usable: int, busy: float) -> None:
     """A machine with `cpus_usable` CPUs of which other programs keep `busy` CPUs' worth busy."""
-    monkeypatch.setattr(hardware, "usable_cpu_count", lambda: cpus_usable)
-    monkeypatch.setattr(hardware, "_TORCH_DEFAULT_THREADS", cpus_usable)
-    monkeypatch.setattr(hardware, "busy_cpus", lambda: busy)
+    monkeypatch.setattr(cpus, "usable_cpu_count", lambda: cpus_usable)
+    monkeypatch.setattr(cpus, "torch_default_threads", lambda: cpus_usable)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: busy)
 
 
 # ----- item 1: usable CPUs -------------------------------------------------------------------------------
@@ -163,11 +163,11 @@ def test_an_explicit_count_or_omp_num_threads_wins_without_measuring(monkeypatch
     def never() -> float:
         raise AssertionError("measured the load although the count was given")
 
-    monkeypatch.setattr(hardware, "busy_cpus", never)
-    assert hardware.choose_threads(3) == 3
+    monkeypatch.setattr(cpus, "busy_cpus", never)
+    assert cpus.choose_threads(3) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert hardware.choose_threads() == 5
-    assert hardware.choose_threads(2) == 2
+    assert cpus.choose_threads() == 5
+    assert cpus.choose_threads(2) == 2
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_an_explicit_count_or_omp_num_threads_wins_without_measuring(monkeypatch
 )
 def test_auto_leaves_busy_cpus_alone(monkeypatch, capsys, usable, busy, share, threads):
     _contention(monkeypatch, usable, busy)
-    assert hardware.choose_threads(None, "--threads N", share=share) == threads
+    assert cpus.choose_threads(None, "--threads N", share=share) == threads
     err = capsys.readouterr().err
     if threads < usable // share:
         assert err.count("\n") == 1 and f"{busy:.1f} of {usable} CPUs busy" in err
@@ -198,8 +198,8 @@ def test_auto_leaves_busy_cpus_alone(monkeypatch, capsys, usable, busy, share, t
 def test_auto_never_exceeds_torchs_own_default(monkeypatch):
     """torch's default is the physical cores; hyperthreads beyond them only slow a matmul down."""
     _contention(monkeypatch, 16, 0.0)
-    monkeypatch.setattr(hardware, "_TORCH_DEFAULT_THREADS", 8)
-    assert hardware.choose_threads() == 8
+    monkeypatch.setattr(cpus, "torch_default_threads", lambda: 8)
+    assert cpus.choose_threads() == 8
 
 
 def _eval_threads(monkeypatch, argv: list[str]) -> int:
@@ -381,11 +381,9 @@ class _CrashAt(Callback):
 
 def _auto(monkeypatch, threads: int) -> None:
     """Auto threads that choose `threads` (the load of this moment), and torch set to it as a run's start."""
-    import tenx.hardware as hardware
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    monkeypatch.setattr(hardware, "choose_threads", lambda requested=None, *a, **k: requested or threads)
+    monkeypatch.setattr(cpus, "choose_threads", lambda requested=None, *a, **k: requested or threads)
 
 
 def test_a_resume_under_another_load_keeps_the_runs_thread_count_and_matches_bit_for_bit(

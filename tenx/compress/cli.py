@@ -17,7 +17,7 @@ def cmd_compress(args: argparse.Namespace) -> None:
     """Compress files with a run's model; print bits per byte and speed."""
     from tenx.compress.files import compress_file
     from tenx.compress.model import load_codec
-    from tenx.hardware import choose_threads
+    from tenx.utils.cpus import choose_threads
 
     _one_output(args)
     threads = choose_threads(args.threads)

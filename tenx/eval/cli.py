@@ -109,7 +109,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     """Evaluate each run on each dataset; print each, then a comparison when there are several runs."""
     from tenx.eval.adaptive import AdaptConfig
     from tenx.eval.evaluate import evaluate
-    from tenx.hardware import set_torch_threads
+    from tenx.utils.cpus import set_torch_threads
 
     if args.out is not None and len(args.targets) > 1:
         raise TenxError("--out names one eval.json: give it with one run (each run keeps its own eval.json)")
@@ -283,7 +283,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.load import load_model
     from tenx.eval.sample import check_sampling, generate
-    from tenx.hardware import set_torch_threads
+    from tenx.utils.cpus import set_torch_threads
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is loaded
     set_torch_threads(args.threads)

@@ -31,8 +31,8 @@ FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents", "excess_params
 
 def cmd_ladder(args: argparse.Namespace) -> None:
     """Plan and run a ladder (or print its plan, or write its cluster scripts)."""
-    from tenx.hardware import set_torch_threads
     from tenx.scaling.ladder import LadderConfig, load_base, parse_budgets, run_ladder
+    from tenx.utils.cpus import set_torch_threads
 
     set_torch_threads(args.threads)  # the dry run's timing probe; each run sets train.threads again
     lc = config_from_args(LadderConfig, args, LADDER_FLAGS)
@@ -78,10 +78,10 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
 
 def cmd_derisk(args: argparse.Namespace) -> None:
     """Run a derisking study (or print its stack and runs)."""
-    from tenx.hardware import set_torch_threads
     from tenx.scaling.data_multiplier import run_data_derisk
     from tenx.scaling.derisk import derisk_from_args, run_derisk
     from tenx.scaling.ladder import parse_budgets
+    from tenx.utils.cpus import set_torch_threads
 
     set_torch_threads(args.threads)
     dc = derisk_from_args(

@@ -141,8 +141,7 @@ def _bytes_per_token(cfg: RunConfig) -> float:
 def contention_note() -> str:
     """A line for the estimate when other programs keep this machine's CPUs busy (its steps were timed
     beside them), else ''."""
-    from tenx.hardware import BUSY_SHARE
-    from tenx.utils.cpus import busy_cpus, usable_cpu_count
+    from tenx.utils.cpus import BUSY_SHARE, busy_cpus, usable_cpu_count
 
     busy = busy_cpus()
     if busy < BUSY_SHARE:

@@ -76,7 +76,7 @@ class TrainConfig:
     threads: int | None = field(
         None,
         ge=1,
-        help="CPU threads for torch (default: auto, tenx.hardware.choose_threads: OMP_NUM_THREADS, else the "
+        help="CPU threads for torch (default: auto, tenx.utils.cpus.choose_threads: OMP_NUM_THREADS, else the "
         "usable CPUs less those other programs keep busy, shared among this machine's ranks)",
     )
     follow_load: bool = field(

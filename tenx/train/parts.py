@@ -23,7 +23,7 @@ from tenx import checkpoint as ckpt
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.data.loader import train_stream as data_train_stream
 from tenx.errors import ConfigError, TenxError
-from tenx.hardware import peak_flops, pick_device, resolve_precision, set_torch_threads, tune_cpu_allocator
+from tenx.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
 from tenx.model.config import ModelConfig
 from tenx.model.flops import ParamCount, count_params, flops_per_token
 from tenx.model.transformer import Transformer
@@ -39,6 +39,7 @@ from tenx.train.guard import StepGuard
 from tenx.train.optim import build_optimizer
 from tenx.train.rng import seed_everything
 from tenx.train.watchdog import Watchdog
+from tenx.utils.cpus import set_torch_threads
 from tenx.utils.io import bytes_xxhash
 
 

@@ -30,13 +30,14 @@ import tenx
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.errors import CheckpointError, DataError, TenxError
-from tenx.hardware import env_threads, hardware_summary
+from tenx.hardware import hardware_summary
 from tenx.parallel.distributed import broadcast_object
 from tenx.rundir import step_of
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
 from tenx.train.parts import TrainerParts, memory_tier_dir
 from tenx.train.rng import numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state
+from tenx.utils.cpus import env_threads
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
 # The manifest fields a resume reads (loader.* are the ones TokenLoader.load_state_dict needs).

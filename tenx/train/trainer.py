@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tenx.data.loader import sequential_windows
-from tenx.hardware import choose_threads, env_threads, host_to_device, peak_flops, resolve_precision
+from tenx.hardware import host_to_device, peak_flops, resolve_precision
 from tenx.monitor.goodput import run_start_time
 from tenx.parallel.distributed import DistEnv, all_reduce_mean_, broadcast_int, max_int
 from tenx.parallel.replicas import LocalStep
@@ -45,6 +45,7 @@ from tenx.train.parts import Parts, build_parts
 from tenx.train.rng import seed_everything
 from tenx.train.state import TrainerState, git_commit
 from tenx.train.step import StepHooks, take_step
+from tenx.utils.cpus import choose_threads, env_threads
 
 __all__ = ["Callback", "Trainer", "git_commit", "resolve_precision", "seed_everything"]
 
@@ -224,7 +225,7 @@ class Trainer(TrainerState):
 
     def _follow_load(self) -> None:
         """With train.follow_load and auto threads on a lone CPU process, every THREADS_RECHECK_S: as many torch threads as other
-        programs leave CPUs free (tenx.hardware.choose_threads), so a program that starts or stops during
+        programs leave CPUs free (tenx.utils.cpus.choose_threads), so a program that starts or stops during
         the run neither halves it nor makes its threads wait on each other. Step records keep the count
         (tenx replay runs each step on it); a change is a `threads-changed` event."""
         if not self._auto_threads or time.perf_counter() - self._threads_checked < THREADS_RECHECK_S:

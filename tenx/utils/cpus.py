@@ -1,19 +1,24 @@
-"""How many CPUs this process may use, and how many of them other programs keep busy right now.
+"""How many CPUs this process may use, how many of them other programs keep busy right now, and so how many
+torch threads a command takes: the one place of thread choice (`choose_threads`, `set_torch_threads`, the
+`--threads` flag).
 
 `os.cpu_count()` is the machine's count. A process may be allowed fewer: an affinity mask (taskset, a
 container's cpuset, Slurm's binding), a CPU quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), or a Slurm
 allocation (SLURM_CPUS_PER_TASK, SLURM_CPUS_ON_NODE). `usable_cpu_count` is the least of them: worker and
 thread counts start from it. `busy_cpus` measures, over a tenth of a second, how much of those CPUs other
-processes use; tenx.hardware.choose_threads leaves them alone (two torch threads on two cores, one of them
-busy, ran a training step 20 times slower than one thread). No torch here: data preparation counts its
-workers without importing it.
+processes use; `choose_threads` leaves them alone (two torch threads on two cores, one of them busy, ran a
+training step 20 times slower than one thread). torch is imported only inside the functions that read or
+set its thread count: data preparation counts its workers, and the CLI builds its `--threads` flags,
+without importing it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -184,7 +189,7 @@ def busy_cpus(interval: float = 0.1, proc_stat: Path | None = None) -> float:
 
 
 def parse_threads(text: str) -> int | None:
-    """A `--threads` value: `auto` (None: tenx.hardware.choose_threads decides) or a count >= 1."""
+    """A `--threads` value: `auto` (None: choose_threads decides) or a count >= 1."""
     if text.strip().lower() == "auto":
         return None
     if not text.strip().isdigit() or not 1 <= int(text) <= MAX_THREADS:
@@ -199,7 +204,7 @@ MAX_THREADS = 4096
 
 
 def add_threads_argument(p: argparse.ArgumentParser, help: str | None = None, default: str = "auto") -> None:
-    """Add `--threads auto|N` (None for auto: tenx.hardware.choose_threads decides) to `p`."""
+    """Add `--threads auto|N` (None for auto: choose_threads decides) to `p`."""
     p.add_argument(
         "--threads",
         type=parse_threads,
@@ -212,5 +217,71 @@ def add_threads_argument(p: argparse.ArgumentParser, help: str | None = None, de
 
 def threads_override(threads: int | None) -> list[str]:
     """The `--set` override that gives every run of a command a `--threads` count (none for auto: each run
-    chooses its own, tenx.hardware.choose_threads)."""
+    chooses its own, choose_threads)."""
     return [] if threads is None else [f"train.threads={threads}"]
+
+
+BUSY_SHARE = 0.3
+"""A CPU counts as taken when other programs use at least this share of it. Too many threads cost far more
+than too few: with one other process on one of two cores, two torch threads made a training step 20 times
+slower (1.2 s against 0.06 s) and `tenx eval` 5 times (129 s against 24 s), where one thread costs at most
+half the speed of two on an idle machine."""
+
+
+@functools.cache
+def torch_default_threads() -> int:
+    """torch's own intra-op thread count, read once before tenx sets any: the physical cores, or
+    OMP_NUM_THREADS (tenx.hardware reads it when it is imported, as every command that sets threads does
+    first)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def env_threads() -> int | None:
+    """The thread count OMP_NUM_THREADS (else MKL_NUM_THREADS) sets, or None when neither holds a count."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        text = os.environ.get(name, "").strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return None
+
+
+def choose_threads(
+    requested: int | None = None, flag: str = "--threads N", share: int = 1, *, quiet: bool = False
+) -> int:
+    """torch's CPU thread count for a command: `requested` when given (a `--threads` flag, train.threads);
+    else OMP_NUM_THREADS when set; else the usable CPUs (usable_cpu_count: affinity, cgroup quota, Slurm;
+    at most torch's own default, the physical cores) less those other programs keep busy (busy_cpus, a
+    tenth of a second), divided among the `share` processes of this job on this machine. A choice cut by
+    busy CPUs is said in one line on stderr, naming `flag` to override (`quiet`: not said; a training run
+    that re-checks says it in an event).
+    """
+    if requested is not None:
+        return requested
+    from_env = env_threads()
+    if from_env is not None:
+        return from_env
+    cpus = max(1, min(usable_cpu_count(), torch_default_threads()))
+    if cpus // share <= 1:
+        return 1
+    busy = busy_cpus()
+    taken = min(cpus, int(busy + 1 - BUSY_SHARE))
+    threads = max(1, (cpus - taken) // share)
+    if threads < cpus // share and not quiet:
+        print(
+            f"tenx: other programs keep {busy:.1f} of {cpus} CPUs busy: torch uses {threads} thread"
+            f"{'s' if threads > 1 else ''}, not {cpus // share} (threads sharing a core wait on each "
+            f"other); {flag} to choose",
+            file=sys.stderr,
+        )
+    return threads
+
+
+def set_torch_threads(requested: int | None = None, flag: str = "--threads N", share: int = 1) -> int:
+    """Set torch's CPU threads to `choose_threads(requested, flag, share)`; the count set."""
+    import torch
+
+    threads = choose_threads(requested, flag, share)
+    torch.set_num_threads(threads)
+    return threads
