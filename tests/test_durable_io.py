@@ -1,5 +1,6 @@
-"""tenx.utils.io: the one JSON-lines reader (a line a crash cut short is ignored, a damaged one named) and the
-atomic publish of a directory (the previous one replaced whole, or put back)."""
+"""tenx.utils.io: the one JSON-lines reader (a line a crash cut short is ignored, a damaged one named), the
+atomic publish of a streamed file (AtomicOutput) and of a directory (the previous one replaced whole, or put
+back)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import os
 
 import pytest
 
-from tenx.errors import DataError
-from tenx.utils.io import JsonlTail, jsonl_records, publish_dir, read_jsonl, recover_interrupted_publishes
+from tenx.errors import DataError, TenxError
+from tenx.utils.io import (
+    AtomicOutput,
+    JsonlTail,
+    jsonl_records,
+    publish_dir,
+    read_jsonl,
+    recover_interrupted_publishes,
+)
 
 
 def test_a_torn_last_line_is_ignored_and_a_damaged_one_is_named(tmp_path):
@@ -22,6 +30,8 @@ def test_a_torn_last_line_is_ignored_and_a_damaged_one_is_named(tmp_path):
     path.write_text('{"step": 1}\n[2]\n')
     with pytest.raises(DataError, match="line 2: expected a JSON object, got list"):
         read_jsonl(path)
+    passed_over: list[int] = []  # a reader that shows what it can: the damaged lines' numbers instead
+    assert [r["step"] for _, r in jsonl_records(path, passed_over=passed_over)] == [1] and passed_over == [2]
     with pytest.raises(FileNotFoundError):
         read_jsonl(tmp_path / "missing.jsonl")
     assert read_jsonl(tmp_path / "missing.jsonl", missing_ok=True) == []
@@ -62,3 +72,21 @@ def test_publish_replaces_a_directory_whole_and_recovery_puts_an_interrupted_one
     os.replace(final, tmp_path / ".out.old-123")  # killed between the two renames of a replace
     recover_interrupted_publishes(tmp_path, "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (final / "f").read_text() == "new"
+
+
+def test_a_streamed_output_appears_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"old")
+    with AtomicOutput(path) as f:
+        f.write(b"new ")
+        assert path.read_bytes() == b"old"  # nothing of it is seen before it is complete
+        f.write(b"bytes")
+    assert path.read_bytes() == b"new bytes"
+    with pytest.raises(RuntimeError), AtomicOutput(path) as f:
+        f.write(b"half")
+        raise RuntimeError("the writer failed")
+    assert path.read_bytes() == b"new bytes" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(TenxError, match="is a directory, not a regular file"):
+        AtomicOutput(tmp_path / "dir")  # refused before anything is written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "out.bin"]

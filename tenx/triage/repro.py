@@ -17,7 +17,7 @@ import torch
 from tenx.errors import TenxError
 from tenx.rundir import REPRO_INPUTS, REPRO_META, REPRO_SCRIPT
 from tenx.triage.opcheck import in_backward, misbehaves, op_name
-from tenx.utils.io import atomic_write_text, publish_file
+from tenx.utils.io import atomic_write_bytes, atomic_write_text
 
 REPRO_SOURCE = '''"""Minimal reproduction of a faulty operator found by `tenx triage` (inputs in inputs.safetensors).
 
@@ -44,7 +44,7 @@ def write_repro(
     phase: str = "forward",
 ) -> Path:
     """Write the operator's tensor inputs (safetensors), its other arguments (JSON) and a script."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors, spec = {}, []
@@ -54,9 +54,7 @@ def write_repro(
             spec.append({"tensor": f"arg{i}"})
         else:
             spec.append({"value": a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)})
-    staged = out_dir / f".{REPRO_INPUTS}.tmp"
-    save_file(tensors, str(staged))
-    publish_file(staged, out_dir / REPRO_INPUTS)
+    atomic_write_bytes(out_dir / REPRO_INPUTS, save(tensors))
     meta = {
         "op": op_name(func),
         "args": spec,

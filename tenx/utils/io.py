@@ -13,7 +13,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import xxhash
 
@@ -135,30 +135,66 @@ def publish_file(tmp: str | os.PathLike[str], final: str | os.PathLike[str]) -> 
     os.replace(tmp, final)
 
 
+class AtomicOutput:
+    """A file written as a stream and put in place whole: `with AtomicOutput(path) as f:` writes into `f`, an
+    open binary file on a temporary sibling `.NAME.*.tmp` (permissions `mode`); on a clean exit it is
+    fsynced and published as `path` (publish_file, then the directory fsynced), so readers see the old file
+    or the complete new one; on an error the temporary file is removed and `path` is left as it was.
+    Outside a `with`, `file`, `publish()` and `discard()` do the same for a writer that opens and finishes
+    its output in different calls. An existing `path` that is neither a regular file nor a character
+    device is refused (TenxError naming its type) before anything is written."""
+
+    def __init__(self, path: str | os.PathLike[str], *, mode: int = FILE_MODE) -> None:
+        self.path = Path(path)
+        _writes_through(self.path)  # refuses a FIFO, socket, block device or directory here, unopened
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+        try:
+            os.fchmod(fd, mode)
+        except BaseException:
+            self.discard()
+            raise
+
+    def publish(self) -> None:
+        """fsync the written file and put it in place as `path` (the temporary file removed if that fails)."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            publish_file(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; `path` stays as it was."""
+        self.file.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> BinaryIO:
+        return self.file
+
+    def __exit__(self, error_type: type[BaseException] | None, *rest: object) -> None:
+        if error_type is None:
+            self.publish()
+        else:
+            self.discard()
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = FILE_MODE) -> None:
     """Write `data` to `path` so that readers see either the old file or the complete new one; `mode`: the
     new file's permissions. A character device (/dev/null) is written through, and any other existing path
     that is not a regular file is refused (TenxError naming its type): renaming over it would replace it."""
-    path = Path(path)
-    if _writes_through(path):  # checked before the temporary file is written, and again by publish_file
-        _write_through(path, [data])
+    if _writes_through(Path(path)):
+        _write_through(Path(path), [data])
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        publish_file(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    with AtomicOutput(path, mode=mode) as f:
+        f.write(data)
 
 
 def atomic_write_png(path: str | os.PathLike[str], figure: Any) -> None:

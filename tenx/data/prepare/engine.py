@@ -31,7 +31,7 @@ import numpy as np
 from tenx.data.prepare import stream
 from tenx.errors import ConfigError, DataError
 from tenx.utils.cpus import usable_cpu_count
-from tenx.utils.io import publish_file
+from tenx.utils.io import AtomicOutput
 
 TASK = np.dtype([("seq", "<u8"), ("code", "u1"), ("num_bytes", "<u8"), ("digest", "V16")])
 OUTCOMES = ("kept", "kept-replaced", "empty_skipped", "binary_skipped")
@@ -41,23 +41,16 @@ def _task_path(work_dir: Path, stage: str, rank: int, suffix: str) -> Path:
     return work_dir / f"{stage}-task-{rank:05d}.{suffix}"
 
 
-def _publish(paths: list[Path]) -> None:
-    for path in paths:
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        publish_file(path, path.with_name(path.name.removesuffix(".tmp")))
-
-
 def scan_task(cfg: Any, rank: int, world: int) -> None:
     """One rank of the scan: outcome, bytes, digest, id and signature of each of its documents, in order."""
     from tenx.data.prepare.dedup import NUM_PERM
 
     work_dir = Path(cfg.out) / stream.WORK_DIR
-    paths = [_task_path(work_dir, "scan", rank, f"{s}.tmp") for s in ("rows", "ids", "sigs")]
+    paths = [_task_path(work_dir, "scan", rank, s) for s in ("rows", "ids", "sigs")]
     stream._scan_init(cfg.near_dup_shingle, bool(cfg.near_dup_threshold))
     empty = np.zeros(NUM_PERM, dtype=np.uint64).tobytes()
     mine = stream._source(cfg, 0, select=lambda seq: seq % world == rank)
-    with open(paths[0], "wb") as rows, open(paths[1], "wb") as ids, open(paths[2], "wb") as sigs:
+    with AtomicOutput(paths[0]) as rows, AtomicOutput(paths[1]) as ids, AtomicOutput(paths[2]) as sigs:
         for batch in stream._batches(d for d in mine if d[0] % world == rank):
             for (seq, doc_id, _), (outcome, digest, num_bytes, sig) in zip(
                 batch, stream._scan_batch(batch), strict=True
@@ -66,7 +59,6 @@ def scan_task(cfg: Any, rank: int, world: int) -> None:
                 rows.write(np.array([(seq, code, num_bytes, digest or bytes(16))], dtype=TASK).tobytes())
                 ids.write(json.dumps(doc_id).encode() + b"\n")
                 sigs.write(sig.tobytes() if sig is not None else empty)
-    _publish(paths)
 
 
 def merge_scan(cfg: Any, work: stream.Work, world: int) -> dict[str, Any]:
@@ -111,15 +103,14 @@ def tokenize_task(cfg: Any, rank: int, world: int, entry: dict[str, Any], dtype:
     rows = np.fromfile(work_dir / "rows.bin", dtype=stream.ROW)
     own = {int(s): k for k, s in enumerate(rows["seq"]) if k % world == rank}
     stream._tokenize_init(str(cfg.out), entry, dtype)
-    paths = [_task_path(work_dir, "tokenize", rank, f"{s}.tmp") for s in ("tokens", "lengths")]
+    paths = [_task_path(work_dir, "tokenize", rank, s) for s in ("tokens", "lengths")]
     mine = stream._source(cfg, 0, select=lambda seq: seq in own)
     itemsize = np.dtype(dtype).itemsize
-    with open(paths[0], "wb") as tokens, open(paths[1], "wb") as lengths:
+    with AtomicOutput(paths[0]) as tokens, AtomicOutput(paths[1]) as lengths:
         for batch in stream._batches(d for d in mine if d[0] in own):
             for data in stream._tokenize_batch(batch):
                 tokens.write(data)
                 lengths.write(np.array([len(data) // itemsize], dtype="<u8").tobytes())
-    _publish(paths)
 
 
 def merge_tokenize(work: stream.Work, world: int, count: int, dtype: str) -> None:

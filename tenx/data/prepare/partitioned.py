@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from tenx.data.ngrams import (
     index_paths,
     sorted_unique,
 )
-from tenx.utils.io import atomic_write_json, publish_file
+from tenx.utils.io import AtomicOutput, atomic_write_json
 
 PARTITION_HASHES = 1 << 24
 """Hashes per partition aimed at (128 MiB of uint64): the memory of the partitioned steps."""
@@ -181,18 +180,14 @@ def write_index(
     descr = np.lib.format.dtype_to_descr(np.dtype(np.uint64))
     np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": (count,)})
     path, sidecar = index_paths(data_dir, n)
-    tmp = path.with_name(f".{path.name}.tmp")
     digest = xxhash.xxh3_64()
-    with open(tmp, "wb") as f:
+    with AtomicOutput(path) as f:
         for piece in [header.getvalue()] + [
             partitions.root / f"index-{p:05d}.bin" for p in range(partitions.count)
         ]:
             data = piece if isinstance(piece, bytes) else piece.read_bytes()
             f.write(data)
             digest.update(data)
-        f.flush()
-        os.fsync(f.fileno())
-    publish_file(tmp, path)
     atomic_write_json(
         sidecar,
         {

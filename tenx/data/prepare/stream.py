@@ -42,7 +42,7 @@ from tqdm import tqdm
 from tenx.data.manifest import INDEX_DTYPE
 from tenx.data.prepare.pool import first_line, ordered_map
 from tenx.errors import DataError
-from tenx.utils.io import atomic_write_bytes, atomic_write_json, bytes_xxhash, publish_file
+from tenx.utils.io import AtomicOutput, atomic_write_bytes, atomic_write_json, bytes_xxhash
 
 WORK_DIR = ".prepare-work"
 ROW = np.dtype([("seq", "<u8"), ("num_bytes", "<u8"), ("digest", "V16")])
@@ -462,39 +462,36 @@ class TokenReader:
 
 
 class ShardWriter:
-    """Writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries, streaming each shard into a hidden
-    file that is renamed into place once complete (a shard is never read half-written)."""
+    """Writes `{split}_{i:05d}.bin/.idx` pairs cut at document boundaries, streaming each shard into an
+    AtomicOutput that is published once complete (a shard is never read half-written)."""
 
     def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
         self.out, self.split, self.shard_tokens = out, split, shard_tokens
         self.shards: list[dict[str, Any]] = []
-        self._file: Any = None
+        self._output: AtomicOutput | None = None
         self._starts: list[int] = []
         self._tokens = 0
 
     def add(self, tokens: np.ndarray) -> None:
         if self._tokens and self._tokens + len(tokens) > self.shard_tokens:
             self.flush()
-        if self._file is None:
-            self._path = self.out / f".{self.split}_{len(self.shards):05d}.bin.tmp"
-            self._file, self._digest = open(self._path, "wb"), xxhash.xxh3_64()  # noqa: SIM115
+        if self._output is None:
+            self._output = AtomicOutput(self.out / f"{self.split}_{len(self.shards):05d}.bin")
+            self._digest = xxhash.xxh3_64()
         data = tokens.tobytes()
-        self._file.write(data)
+        self._output.file.write(data)
         self._digest.update(data)
         self._starts.append(self._tokens)
         self._tokens += len(tokens)
 
     def flush(self) -> None:
-        if self._file is None:
+        if self._output is None:
             return
         stem = f"{self.split}_{len(self.shards):05d}"
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
         index = np.asarray(self._starts, dtype=INDEX_DTYPE).tobytes()
         atomic_write_bytes(self.out / f"{stem}.idx", index)
-        publish_file(self._path, self.out / f"{stem}.bin")
+        self._output.publish()
+        self._output = None
         self.shards.append(
             {
                 "file": f"{stem}.bin",
