@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
+from tenx.cli import build_parser
 from tenx.errors import ConfigError
 from tenx.monitor.goodput import Ledger, compute_goodput
 from tenx.plan import failsim, failure_rates
+from tenx.plan.cli import cmd_failures
 
 DRILL = Path(__file__).resolve().parents[1] / "runs" / "chaos_drill" / "drill.json"
 """The chaos drill this checkout last ran (`python bench/chaos_drill.py` writes it), if any."""
@@ -22,9 +24,7 @@ RECORDED_DRILL = Path(__file__).parent / "fixtures" / "chaos_drill.json"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    failsim.register(ap.add_subparsers())
-    return ap.parse_args(["failures", *argv])
+    return build_parser().parse_args(["plan", "failures", *argv])
 
 
 def test_rates_sum_to_llama3_unexpected_interruptions():
@@ -208,8 +208,8 @@ def test_failures_take_the_clusters_rates(tmp_path, capsys):
     )
     default_json, doubled_json = tmp_path / "default.json", tmp_path / "doubled.json"
     base = ["--gpus", "1e4,1e5", "--no-sim", "--json"]
-    failsim.cmd_failures(parse([*base, str(default_json)]))
-    failsim.cmd_failures(parse([*base, str(doubled_json), "--cluster", str(doubled)]))
+    cmd_failures(parse([*base, str(default_json)]))
+    cmd_failures(parse([*base, str(doubled_json), "--cluster", str(doubled)]))
     out = capsys.readouterr().out
     assert "rates (cluster test): our fleet: 419 interruptions / 442,368 GPU-days" in out
     assert "cluster test: 16 accelerators, one interruption every" in out
@@ -269,4 +269,4 @@ def test_a_bad_rate_in_a_cluster_file_is_named_with_the_file_and_field(tmp_path,
     with pytest.raises(ConfigError, match=f"{path}: {message}"):
         load_cluster(str(path))
     with pytest.raises(ConfigError, match=message):  # the command too, before any work
-        failsim.cmd_failures(parse(["--cluster", str(path), "--no-sim"]))
+        cmd_failures(parse(["--cluster", str(path), "--no-sim"]))

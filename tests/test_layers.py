@@ -216,6 +216,51 @@ def test_building_the_cli_imports_no_component():
     assert out.split() == ["tenx.monitor.cli", "[]"], out
 
 
+COMMAND_CODE_KEPT = {
+    "tenx/config.py": "makes the flags of a config dataclass (add_config_arguments), which every cli.py calls",
+    "tenx/utils/cpus.py": "the --threads flag's type, next to the thread counts it parses",
+}
+"""Modules outside a cli.py that hold command code, and why."""
+
+
+def _command_code(tree: ast.AST) -> list[str]:
+    """What makes a module command code: an argparse import, a `register(subparsers)`, a `cmd_*` handler, or
+    a call that adds a flag or a subcommand to a parser."""
+    adds = {"add_argument", "add_argument_group", "add_mutually_exclusive_group", "add_subparsers"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+            found.append(f"{node.lineno}: import argparse")
+        elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            found.append(f"{node.lineno}: from argparse import")
+        elif isinstance(node, ast.FunctionDef) and (node.name == "register" or node.name.startswith("cmd_")):
+            found.append(f"{node.lineno}: def {node.name}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in adds:
+            found.append(f"{node.lineno}: .{node.func.attr}(")
+    return found
+
+
+def test_command_code_lives_in_cli_modules():
+    """A subcommand's registration, flags and handler live in its package's cli.py (or a `*_cli.py` beside
+    it); the domain modules keep the work they call."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        where = path.relative_to(ROOT.parent).as_posix()
+        if path.stem == "cli" or path.stem.endswith("_cli") or where in COMMAND_CODE_KEPT:
+            continue
+        found += [f"{where}:{line}" for line in _command_code(ast.parse(path.read_text()))]
+    assert not found, "move command code into the package's cli.py:\n" + "\n".join(found)
+    kept = [w for w in COMMAND_CODE_KEPT if _command_code(ast.parse((ROOT.parent / w).read_text()))]
+    assert sorted(kept) == sorted(COMMAND_CODE_KEPT), "COMMAND_CODE_KEPT names a module without command code"
+    samples = [
+        "import argparse",
+        "def register(subparsers):\n    pass",
+        "def cmd_shapes(args):\n    pass",
+        "def flags(p):\n    p.add_argument('--n')",
+    ]
+    assert all(_command_code(ast.parse(s)) for s in samples)
+
+
 STEP_PATTERN = re.compile(r"(^|[/.^(\s])step_($|[*(\[\\{%])")
 """The checkpoint directory's name as a regex, a glob or a format (step_(\\d{8}), step_*, step_{...})."""
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 from torch import nn
 
+from tenx.cli import build_parser
 from tenx.errors import ConfigError
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer
 from tenx.plan import shapes
+from tenx.plan.cli import cmd_shapes
 
 
 @pytest.fixture(autouse=True)
@@ -136,11 +137,11 @@ def test_repeat_below_two_is_refused() -> None:
 
 
 def test_cli_writes_json(tmp_path) -> None:
-    parser = argparse.ArgumentParser()
-    shapes.register(parser.add_subparsers())
+    parser = build_parser()
     out = tmp_path / "shapes.json"
     args = parser.parse_args(
         [
+            "plan",
             "shapes",
             "--config",
             "tiny",
@@ -160,7 +161,7 @@ def test_cli_writes_json(tmp_path) -> None:
             str(out),
         ]
     )
-    assert args.func is shapes.cmd_shapes
+    assert args.func is cmd_shapes
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert data["config"] == "tiny" and data["model"]["vocab_size"] == 256 and data["model"]["depth"] == 1
@@ -213,11 +214,11 @@ def test_a_faster_step_with_no_fewer_parameters_is_recommended() -> None:
 
 def test_cli_says_when_the_vocabulary_is_assumed(tmp_path, capsys) -> None:
     """`plan shapes --config tiny` on unprepared data timed a 50,304-wide output layer without a word."""
-    parser = argparse.ArgumentParser()
-    shapes.register(parser.add_subparsers())
+    parser = build_parser()
     out = tmp_path / "shapes.json"
     small = ["model.depth=1", "model.seq_len=16", "train.micro_batch=1", f'data.dir="{tmp_path / "none"}"']
-    argv = ["shapes", "--config", "tiny", *(x for s in small for x in ("--set", s)), "--device", "cpu"]
+    sets = [x for s in small for x in ("--set", s)]
+    argv = ["plan", "shapes", "--config", "tiny", *sets, "--device", "cpu"]
     args = parser.parse_args([*argv, "--repeat", "2", "--json", str(out)])
     assert args.func(args) == 0
     assert capsys.readouterr().out.startswith("vocabulary 50,257 ASSUMED (GPT-2's)")

@@ -8,6 +8,7 @@ back into the job it emits (`prepare_argv`).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
@@ -79,10 +80,16 @@ def prepare_argv(cfg: Any) -> list[str]:
 
 
 def cmd_data_index(args: argparse.Namespace) -> None:
-    """Build the n-gram index of a prepared directory's train split."""
-    from tenx.data.ngrams import index_command
+    """`tenx data index DATA_DIR [--n N]`: build the n-gram index of a prepared directory's train split and
+    print what it holds (default n: the one the directory was prepared with, else its tokenizer's,
+    `data_n`)."""
+    from tenx.data.manifest import read_manifest
+    from tenx.data.ngrams import build_index, data_n, index_paths
 
-    index_command(args)
+    n = args.n if args.n is not None else data_n(read_manifest(args.data_dir))
+    path = build_index(args.data_dir, n)
+    count = json.loads(index_paths(args.data_dir, n)[1].read_text())["count"]
+    print(f"{path}: {count:,} distinct {n}-grams of the train split")
 
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,6 @@ and 1.5 s, after which no held-out file exceeds 0.5 (the highest is 0.40) and 64
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import re
@@ -397,12 +396,3 @@ def contamination(
         report["bytes"] = int(sum(document_bytes))
         report["bytes_contaminated"] = int(sum(b for b, c in zip(document_bytes, contaminated) if c))
     return report
-
-
-def index_command(args: argparse.Namespace) -> None:
-    """`tenx data index DATA_DIR [--n N]`: build the index and print what it holds (default n: the one the
-    directory was prepared with, else its tokenizer's, `data_n`)."""
-    n = args.n if args.n is not None else data_n(read_manifest(args.data_dir))
-    path = build_index(args.data_dir, n)
-    count = json.loads(index_paths(args.data_dir, n)[1].read_text())["count"]
-    print(f"{path}: {count:,} distinct {n}-grams of the train split")

@@ -16,7 +16,6 @@ the bootstrap fits `tenx fit` writes in the report).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from tenx.errors import ConfigError
-from tenx.utils.cli import above, add_set, at_least, subcommand
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 SPAN = 8.0
@@ -227,72 +225,3 @@ def _interval(values: dict[str, Any], key: str, spec: str) -> str:
     if not (math.isfinite(low) and math.isfinite(high)):
         return "[no interval]"
     return f"[{low:{spec}}, {high:{spec}}]"
-
-
-def register(plan_subparsers: Any) -> None:
-    """Register `tenx plan choose` on the `plan` subcommand's subparsers."""
-    about = "rank (N, D, parallelism) for a compute budget by predicted loss"
-    subcommand(plan_subparsers, "choose", about, cmd_choose, _choose_arguments)
-
-
-def _choose_arguments(p: argparse.ArgumentParser) -> None:
-    from tenx.plan.estimate import MAX_VOCAB
-
-    p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
-    add_set(p, "config override")
-    p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
-    p.add_argument("--fit", required=True, help="a `tenx fit` report (JSON) of an L(N, D) law")
-    p.add_argument(
-        "--budget", required=True, type=above(float, 0), help="training compute, FLOPs (e.g. 1e21)"
-    )
-    p.add_argument(
-        "--days", type=above(float, 0), help="wall-clock limit: D is cut to what fits in it (default: none)"
-    )
-    p.add_argument(
-        "--vocab",
-        type=at_least(int, 1, MAX_VOCAB),
-        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
-        "50257, said to be assumed)",
-    )
-    p.add_argument(
-        "--unique-tokens",
-        type=above(float, 0),
-        help="limit on unique training tokens U (repeated for D/U epochs): rank by a data-constrained "
-        "--fit's L(N, D, U), with each loss's interval (default: no limit)",
-    )
-    p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
-    p.add_argument("--json", help="also write every choice as JSON here (a new file, unless --force)")
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
-
-
-def cmd_choose(args: argparse.Namespace) -> None:
-    """`tenx plan choose`: the choices for the budget, best first (and every one as JSON with --json)."""
-    from tenx.plan.estimate import cluster_file, load_cluster, plan_vocab
-    from tenx.train.config import load_run_config, resolve_config_path
-    from tenx.utils.io import atomic_write_json, check_output_file
-
-    config = resolve_config_path(args.config)
-    out = None
-    if args.json is not None:
-        inputs = (config, cluster_file(args.cluster), args.fit)
-        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
-    run = load_run_config(config, args.set)
-    vocab = plan_vocab(run, args.vocab)
-    result = choose(
-        run,
-        load_cluster(args.cluster),
-        load_fit(args.fit),
-        args.budget,
-        vocab=vocab.size,
-        days=args.days,
-        unique_tokens=args.unique_tokens,
-    )
-    result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
-    result["fit_warnings"] = load_fit_warnings(args.fit)
-    print(vocab.describe())
-    for warning in result["fit_warnings"]:
-        print(f"WARNING: the fit in {args.fit}: {warning}")
-    print(format_choices(result, args.top))
-    if out is not None:
-        atomic_write_json(out, result)
-        print(f"wrote {args.json}")

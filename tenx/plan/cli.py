@@ -1,15 +1,19 @@
 """`tenx plan`: co-design a run before it starts (memory, time, communication, shapes, failures).
 
-`tenx plan --config CFG --cluster CLUSTER` estimates a run; each of its subcommands is registered by the
-module that implements it (`shapes`: tenx/plan/shapes.py, `failures`: tenx/plan/failsim.py, `choose`:
-tenx/plan/allocate.py), imported only when `tenx plan` is used."""
+`tenx plan --config CFG --cluster CLUSTER` estimates a run (tenx/plan/estimate.py, calibrate.py); its
+subcommands' flags and handlers are here too, their work in the module each names: `shapes`
+(tenx/plan/shapes.py), `failures` (tenx/plan/failsim.py), `choose` (tenx/plan/allocate.py), each imported
+only when its command runs."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+from dataclasses import asdict
 from typing import Any
 
-from tenx.utils.cli import add_set, at_least, subcommand
+from tenx.utils.cli import above, add_set, at_least, subcommand
 from tenx.utils.text import counted
 
 MAX_MEASURE_STEPS = 1000
@@ -23,7 +27,6 @@ def register(subparsers: Any) -> None:
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from tenx.plan import allocate, failsim, shapes
     from tenx.plan.estimate import MAX_VOCAB
 
     parser.add_argument("--config", help="the run config (a .toml path or a shipped name)")
@@ -75,9 +78,12 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write the plan as JSON here (a new file, unless --force)")
     parser.add_argument("--force", action="store_true", help="--json: replace an existing file")
     sub = parser.add_subparsers(dest="plan_command")
-    shapes.register(sub)
-    failsim.register(sub)
-    allocate.register(sub)
+    about = "measure the run's GEMM shapes and nearby faster ones"
+    subcommand(sub, "shapes", about, cmd_shapes, _shapes_arguments)
+    about = "failures at scale: MTBF, checkpoint interval, goodput"
+    subcommand(sub, "failures", about, cmd_failures, _failures_arguments)
+    about = "rank (N, D, parallelism) for a compute budget by predicted loss"
+    subcommand(sub, "choose", about, cmd_choose, _choose_arguments)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -166,3 +172,310 @@ def _measure(args: argparse.Namespace, cluster: Any, vocab: int) -> dict[str, An
         f"measured on {result['measured_on']}"
     )
     return result
+
+
+def cmd_shapes(args: argparse.Namespace) -> int:
+    """Benchmark the run's GEMM shapes and nearby candidates; print the report, optionally write JSON."""
+    import torch
+
+    from tenx.hardware import cpu_has_fast_bf16, pick_device, resolve_precision
+    from tenx.plan.estimate import plan_vocab
+    from tenx.plan.shapes import benchmark_shapes, format_shapes
+    from tenx.train.config import load_run_config, resolve_config_path
+    from tenx.utils.io import atomic_write_text, check_output_file
+
+    config = resolve_config_path(args.config)
+    out = None
+    if args.json is not None:
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=(config,))
+    run = load_run_config(config, args.set)
+    vocab = plan_vocab(run, args.vocab)
+    print(vocab.describe())
+    device = pick_device(args.device, "--device")
+    dtype = resolve_precision(args.dtype or run.train.precision, device)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
+        print("note: this CPU has no native bf16 matmuls; bf16 times are ~100x fp32's (use --dtype fp32)")
+    threads = args.threads or run.train.threads
+    if threads:
+        torch.set_num_threads(threads)
+    result = benchmark_shapes(
+        run.model,
+        run.train.micro_batch,
+        device,
+        dtype,
+        args.repeat,
+        vocab=vocab.size,
+        max_tokens=args.max_tokens,
+    )
+    result.update(
+        config=args.config, vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed
+    )
+    print(format_shapes(result))
+    if out is not None:
+        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _shapes_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.plan.estimate import MAX_VOCAB
+    from tenx.plan.shapes import CPU_MAX_TOKENS
+
+    p.add_argument("--config", required=True, help="run config: a .toml path or a shipped name")
+    p.add_argument("--set", action="append", default=[], metavar="K=V", help="override a config field")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default=None, help="matmul dtype (default: the run's precision)"
+    )
+    p.add_argument(
+        "--vocab",
+        type=at_least(int, 1, MAX_VOCAB),
+        default=None,
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=at_least(int, 2, 1000),
+        default=5,
+        help="timing rounds (interleaved across shapes), at most 1000",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=at_least(int, 1),
+        default=None,
+        help=f"rows per GEMM (default: the whole micro-batch on a GPU, {CPU_MAX_TOKENS} on a CPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=at_least(int, 1, 4096),
+        default=None,
+        help="torch CPU threads, at most 4096 (default: the config's train.threads, else torch's own choice)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the report as JSON (a new file, unless --force)",
+    )
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+
+
+def _gpu_counts(text: str) -> list[float]:
+    """`--gpus`: comma-separated positive, finite accelerator counts."""
+    from tenx.plan.failure_limits import MAX_COUNTS, MAX_GPUS
+
+    counts = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= MAX_GPUS):
+            raise argparse.ArgumentTypeError(
+                f"each count must be a number > 0 and at most {MAX_GPUS:.0e}, got {item!r} in {text!r}"
+            )
+        counts.append(value)
+    if len(counts) > MAX_COUNTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_COUNTS} counts, got {len(counts)}")
+    return counts
+
+
+def _groups(text: str) -> int | None:
+    """`--groups`: auto (None) or a number of groups >= 1."""
+    return None if text == "auto" else at_least(int, 1)(text)
+
+
+def _failures_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.plan.failure_limits import MAX_COUNTS, MAX_DAYS, MAX_GPUS, MAX_REPLICAS, MAX_SIM_EVENTS
+
+    p.add_argument(
+        "--cluster",
+        help="a cluster file or a shipped one whose [failures] rates to use (default: Llama 3's)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=_gpu_counts,
+        default="1e3,1e4,1e5,1e6,1e7",
+        help=f"comma-separated accelerator counts, each at most {MAX_GPUS:.0e}, at most {MAX_COUNTS} of them",
+    )
+    span = "at most the simulated span, --days x 86400 s: a longer one makes every goodput zero"
+    p.add_argument(
+        "--save-cost-s",
+        type=above(float, 0),
+        default=60.0,
+        help=f"seconds a checkpoint save stalls the job ({span})",
+    )
+    p.add_argument(
+        "--restart-s",
+        type=at_least(float, 0),
+        default=600.0,
+        help=f"seconds to restart (or heal a group; {span})",
+    )
+    p.add_argument(
+        "--detect-s",
+        type=at_least(float, 0),
+        default=0.0,
+        help=f"seconds from a failure to its detection ({span})",
+    )
+    p.add_argument(
+        "--groups",
+        type=_groups,
+        default="auto",
+        help="semi-synchronous replica groups: auto or N (at most the smallest --gpus count: a group holds one)",
+    )
+    p.add_argument(
+        "--min-group-gpus", type=at_least(int, 1), default=1024, help="auto: accelerators a group must hold"
+    )
+    p.add_argument(
+        "--sync-s",
+        type=above(float, 0),
+        default=600.0,
+        help=f"seconds between semi-synchronous syncs, > 0 (0 would be a sync that never ends; {span})",
+    )
+    p.add_argument(
+        "--days",
+        type=above(float, 0, MAX_DAYS),
+        default=30.0,
+        help=f"simulated days per replica, at most {MAX_DAYS:g} (100 years); a table simulates at most "
+        f"{MAX_SIM_EVENTS:,} failures (a few seconds): more is refused naming the largest --days",
+    )
+    p.add_argument(
+        "--replicas",
+        type=at_least(int, 2, MAX_REPLICAS),
+        default=8,
+        help=f"independent simulations (for the 95%% CI), at most {MAX_REPLICAS}",
+    )
+    p.add_argument("--no-sim", action="store_true", help="closed forms only")
+    p.add_argument("--json", help="write one row per accelerator count here (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+    p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the simulation")
+
+
+def cmd_failures(args: argparse.Namespace) -> None:
+    """`tenx plan failures`: the table, the 50% crossing, and the groups that keep 90%."""
+    from tenx.plan.estimate import cluster_file, load_cluster
+    from tenx.plan.failsim import (
+        failure_table,
+        format_table,
+        job_mtbf_s,
+        short_duration,
+        sync_below_half_gpus,
+    )
+    from tenx.plan.failure_rates import FailureRates
+    from tenx.utils.io import atomic_write_text, check_output_file
+
+    out = None
+    if args.json is not None:
+        inputs = (cluster_file(args.cluster),) if args.cluster else ()
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
+    # argparse runs `type` on a string default too, but not on a value set in Python (tests, callers)
+    gpus = _gpu_counts(args.gpus) if isinstance(args.gpus, str) else args.gpus
+    groups = _groups(args.groups) if isinstance(args.groups, str) else args.groups
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    failures = cluster.failures if cluster else FailureRates()
+    rows = failure_table(
+        gpus,
+        args.save_cost_s,
+        args.restart_s,
+        args.detect_s,
+        groups,
+        args.min_group_gpus,
+        args.sync_s,
+        not args.no_sim,
+        args.days,
+        args.replicas,
+        args.seed,
+        failures,
+    )
+    where = f"cluster {cluster.name}" if cluster else "no --cluster: the default"
+    print(
+        f"rates ({where}): {failures.describe()}, linear in GPUs; δ={args.save_cost_s:g}s "
+        f"R={args.restart_s:g}s D={args.detect_s:g}s sync every {args.sync_s:g}s"
+    )
+    if cluster:
+        print(
+            f"cluster {cluster.name}: {cluster.accelerators:,} accelerators, one interruption every "
+            f"{short_duration(job_mtbf_s(cluster.accelerators, failures))} on average"
+        )
+    print(format_table(rows))
+    half = sync_below_half_gpus(args.save_cost_s, args.restart_s, args.detect_s, failures)
+    if math.isnan(half):
+        print("synchronous goodput does not cross 50% between 1e-9 and 1e18 accelerators at these rates")
+    else:
+        print(f"synchronous goodput falls below 50% at about {half:,.0f} accelerators")
+    for r in rows:
+        if r.groups_for_90 is not None:
+            print(f"  {r.gpus:.0e} GPUs: >= {r.groups_for_90} groups keep semi-synchronous goodput >= 90%")
+    if out is not None:
+        keys = ("gpus", "mtbf_s", "checkpoint_interval_s", "goodput_sync", "goodput_semi_sync", "groups")
+        rows_out = [
+            {**{k: asdict(r)[k] for k in keys}, **{k: v for k, v in asdict(r).items() if k not in keys}}
+            for r in rows
+        ]
+        atomic_write_text(out, json.dumps(rows_out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def _choose_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.plan.estimate import MAX_VOCAB
+
+    p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
+    add_set(p, "config override")
+    p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
+    p.add_argument("--fit", required=True, help="a `tenx fit` report (JSON) of an L(N, D) law")
+    p.add_argument(
+        "--budget", required=True, type=above(float, 0), help="training compute, FLOPs (e.g. 1e21)"
+    )
+    p.add_argument(
+        "--days", type=above(float, 0), help="wall-clock limit: D is cut to what fits in it (default: none)"
+    )
+    p.add_argument(
+        "--vocab",
+        type=at_least(int, 1, MAX_VOCAB),
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
+    )
+    p.add_argument(
+        "--unique-tokens",
+        type=above(float, 0),
+        help="limit on unique training tokens U (repeated for D/U epochs): rank by a data-constrained "
+        "--fit's L(N, D, U), with each loss's interval (default: no limit)",
+    )
+    p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
+    p.add_argument("--json", help="also write every choice as JSON here (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+
+
+def cmd_choose(args: argparse.Namespace) -> None:
+    """`tenx plan choose`: the choices for the budget, best first (and every one as JSON with --json)."""
+    from tenx.plan.allocate import choose, format_choices, load_fit, load_fit_warnings
+    from tenx.plan.estimate import cluster_file, load_cluster, plan_vocab
+    from tenx.train.config import load_run_config, resolve_config_path
+    from tenx.utils.io import atomic_write_json, check_output_file
+
+    config = resolve_config_path(args.config)
+    out = None
+    if args.json is not None:
+        inputs = (config, cluster_file(args.cluster), args.fit)
+        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
+    run = load_run_config(config, args.set)
+    vocab = plan_vocab(run, args.vocab)
+    result = choose(
+        run,
+        load_cluster(args.cluster),
+        load_fit(args.fit),
+        args.budget,
+        vocab=vocab.size,
+        days=args.days,
+        unique_tokens=args.unique_tokens,
+    )
+    result.update(vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed)
+    result["fit_warnings"] = load_fit_warnings(args.fit)
+    print(vocab.describe())
+    for warning in result["fit_warnings"]:
+        print(f"WARNING: the fit in {args.fit}: {warning}")
+    print(format_choices(result, args.top))
+    if out is not None:
+        atomic_write_json(out, result)
+        print(f"wrote {args.json}")

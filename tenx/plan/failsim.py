@@ -28,13 +28,10 @@ goodput grows with k, so `auto` takes the most groups that rule allows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from scipy.optimize import brentq
@@ -42,16 +39,11 @@ from scipy.optimize import brentq
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
 from tenx.errors import TenxError
 from tenx.plan.failure_limits import (
-    MAX_COUNTS,
-    MAX_DAYS,
-    MAX_GPUS,
-    MAX_REPLICAS,
     MAX_SIM_EVENTS,
     REPLICA_COST_EVENTS,
     check_failure_inputs,
 )
 from tenx.plan.failure_rates import DAY_S, FailureRates
-from tenx.utils.cli import above, at_least, subcommand
 
 
 def component_rates_per_gpu_s(failures: FailureRates | None = None) -> dict[str, float]:
@@ -156,6 +148,39 @@ def groups_for_goodput(
     return lo
 
 
+def simulate_groups(
+    groups: int,
+    mtbf_s: float,
+    segment_s: float,
+    work_s: float,
+    restart_s: float,
+    detect_s: float = 0.0,
+    days: float = 30.0,
+    rng: np.random.Generator | None = None,
+) -> float:
+    """One seeded discrete-event run of `groups` groups, the job's failures (mean `mtbf_s` apart; the minimum
+    of the components' exponential clocks is exponential with the summed rate) each striking one group. A
+    group works in segments of `segment_s` seconds, `work_s` of them progress (the rest a checkpoint save);
+    a failure costs it the segment so far, then D + R (a failure while it is down is absorbed by its
+    restart). Returns the progress over groups x the span."""
+    rng = rng or np.random.default_rng(0)
+    horizon = days * DAY_S
+    times = np.sort(rng.uniform(0, horizon, rng.poisson(horizon / mtbf_s)))
+    owners = rng.integers(0, groups, times.size)
+    up_since: dict[int, float] = {}  # when a group last came back up (its segment clock restarts there)
+    lost = 0.0
+    for t, g in zip(times.tolist(), owners.tolist()):
+        since = up_since.get(g, 0.0)
+        if t < since:
+            continue  # the group is already down: the failure is absorbed by its restart
+        age = (t - since) % segment_s if segment_s > 0 else 0.0
+        back = t + detect_s + restart_s
+        lost += age + min(back, horizon) - t
+        up_since[g] = back
+    progress = work_s / segment_s if segment_s > 0 else 1.0
+    return (1.0 - lost / (groups * horizon)) * progress
+
+
 def simulate_sync(
     mtbf_s: float,
     interval_s: float,
@@ -165,26 +190,8 @@ def simulate_sync(
     days: float = 30.0,
     rng: np.random.Generator | None = None,
 ) -> float:
-    """One seeded discrete-event run of a synchronous job: saves every interval, restarts on each failure."""
-    rng = rng or np.random.default_rng(0)
-    horizon, segment = days * DAY_S, interval_s + save_cost_s
-    t = work = 0.0
-    for x in _exponentials(rng, mtbf_s):
-        if t >= horizon:
-            break
-        if x >= segment:
-            t += segment
-            work += interval_s
-        else:
-            t += x + detect_s + restart_s
-    return work / t
-
-
-def _exponentials(rng: np.random.Generator, mean: float) -> Iterator[float]:
-    """Times to the next failure, drawn in blocks: the minimum of the components' independent exponential
-    clocks is itself exponential with the summed rate, so one draw at rate 1/M stands for all of them."""
-    while True:
-        yield from rng.exponential(mean, 4096).tolist()
+    """A synchronous job: one group, whose segment is an interval of work and its save."""
+    return simulate_groups(1, mtbf_s, interval_s + save_cost_s, interval_s, restart_s, detect_s, days, rng)
 
 
 def simulate_semi_sync(
@@ -196,51 +203,19 @@ def simulate_semi_sync(
     days: float = 30.0,
     rng: np.random.Generator | None = None,
 ) -> float:
-    """One seeded run of k replica groups: each failure costs its group the work since its last sync + D + R."""
-    rng = rng or np.random.default_rng(0)
-    horizon = days * DAY_S
-    times = np.sort(rng.uniform(0, horizon, rng.poisson(horizon / mtbf_s)))
-    owners = rng.integers(0, groups, times.size)
-    up_since: dict[
-        int, float
-    ] = {}  # when a group last came back up (its sync clock restarts there; 0: never down)
-    lost = 0.0
-    for t, g in zip(times.tolist(), owners.tolist()):
-        since = up_since.get(g, 0.0)
-        if t < since:
-            continue  # the group is already down: the failure is absorbed by its restart
-        age = (t - since) % sync_s if sync_s > 0 else 0.0
-        back = t + detect_s + restart_s
-        lost += age + min(back, horizon) - t
-        up_since[g] = back
-    return 1.0 - lost / (groups * horizon)
+    """k replica groups: a failure costs its group the work since its last sync (a segment) + D + R."""
+    return simulate_groups(groups, mtbf_s, sync_s, sync_s, restart_s, detect_s, days, rng)
 
 
-def expected_sim_events(
-    mtbf_s: float,
-    interval_s: float,
-    save_cost_s: float,
-    restart_s: float,
-    detect_s: float,
-    days: float,
-    groups: int,
-) -> float:
-    """The events one replica of `simulate_sync` (and of `simulate_semi_sync` when groups >= 2) draws on
-    average: the span over the mean time one loop iteration advances, plus the span's failures."""
-    horizon, segment = days * DAY_S, interval_s + save_cost_s
-    advance = -math.expm1(-segment / mtbf_s) * (
-        mtbf_s + restart_s + detect_s
-    )  # E[min(x, seg)] + P(x<seg)(R+D)
-    events = horizon / advance if advance > 0 else math.inf
-    return events + (horizon / mtbf_s if groups >= 2 else 0.0)
+def expected_sim_events(mtbf_s: float, days: float, groups: int) -> float:
+    """The failures one replica of `simulate_sync` (and of `simulate_semi_sync` when groups >= 2) draws on
+    average."""
+    return days * DAY_S / mtbf_s * (2 if groups >= 2 else 1)
 
 
 def check_simulation_size(
     gpus_list: list[float],
     failures: FailureRates | None,
-    save_cost_s: float,
-    restart_s: float,
-    detect_s: float,
     groups: int | None,
     min_group_gpus: int,
     days: float,
@@ -249,10 +224,8 @@ def check_simulation_size(
     """Refuse a simulation of more than MAX_SIM_EVENTS expected events, naming the largest --days that fits."""
     events = 0.0
     for g in gpus_list:
-        m = job_mtbf_s(g, failures)
         k = groups if groups is not None else choose_groups(g, min_group_gpus)
-        tau = exact_interval_s(save_cost_s, m)
-        events += replicas * expected_sim_events(m, tau, save_cost_s, restart_s, detect_s, days, k)
+        events += replicas * expected_sim_events(job_mtbf_s(g, failures), days, k)
     overhead = len(gpus_list) * replicas * REPLICA_COST_EVENTS
     if events + overhead <= MAX_SIM_EVENTS:
         return
@@ -262,7 +235,7 @@ def check_simulation_size(
         fits = "no --days fits at these settings"
     raise TenxError(
         f"--days {days:g} x --replicas {replicas} at --gpus up to {max(gpus_list):g} would simulate about "
-        f"{events + overhead:.3g} failures and saves, more than the {MAX_SIM_EVENTS:,} allowed: {fits}; "
+        f"{events + overhead:.3g} failures, more than the {MAX_SIM_EVENTS:,} allowed: {fits}; "
         "or lower --replicas or --gpus, or pass --no-sim for the closed forms only"
     )
 
@@ -292,9 +265,7 @@ def failure_table(
     endless are refused first (`check_failure_inputs`, `check_simulation_size`)."""
     check_failure_inputs(gpus_list, save_cost_s, restart_s, detect_s, groups, sync_s, days, replicas)
     if simulate:
-        check_simulation_size(
-            gpus_list, failures, save_cost_s, restart_s, detect_s, groups, min_group_gpus, days, replicas
-        )
+        check_simulation_size(gpus_list, failures, groups, min_group_gpus, days, replicas)
     rows = []
     for i, g in enumerate(gpus_list):
         m = job_mtbf_s(g, failures)
@@ -399,14 +370,15 @@ def format_table(rows: list[Row]) -> str:
         sim = f"{r.sim_sync:.3f}±{r.sim_sync_ci:.3f}" if r.sim_sync is not None else "-"
         semi = f"{r.sim_semi_sync:.4f}±{r.sim_semi_sync_ci:.4f}" if r.sim_semi_sync is not None else "-"
         lines.append(
-            f"{r.gpus:>8.0e} {_dur(r.mtbf_s):>9} {_dur(r.checkpoint_interval_s):>9} "
+            f"{r.gpus:>8.0e} {short_duration(r.mtbf_s):>9} {short_duration(r.checkpoint_interval_s):>9} "
             f"{r.goodput_sync:>13.3f} {sim:>15} {r.goodput_semi_sync:>17.4f} {semi:>15} "
             f"{r.groups:>7} {r.groups_for_90 if r.groups_for_90 is not None else '-':>6}"
         )
     return "\n".join(lines)
 
 
-def _dur(s: float) -> str:
+def short_duration(s: float) -> str:
+    """Seconds as the failure table prints them: `2.50h`, `12.0m` or `42.0s`."""
     return f"{s / 3600:.2f}h" if s >= 3600 else f"{s / 60:.1f}m" if s >= 60 else f"{s:.1f}s"
 
 
@@ -423,153 +395,3 @@ def sync_below_half_gpus(
     if f(low) * f(high) > 0:  # rates so extreme that goodput never crosses 50% in that range
         return math.nan
     return float(10 ** brentq(f, low, high))
-
-
-def register(plan_subparsers: Any) -> None:
-    """Register `tenx plan failures` on the `plan` subcommand's subparsers."""
-    about = "failures at scale: MTBF, checkpoint interval, goodput"
-    subcommand(plan_subparsers, "failures", about, cmd_failures, _failures_arguments)
-
-
-def _gpu_counts(text: str) -> list[float]:
-    """`--gpus`: comma-separated positive, finite accelerator counts."""
-    counts = []
-    for item in (x.strip() for x in text.split(",")):
-        try:
-            value = float(item)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and 0 < value <= MAX_GPUS):
-            raise argparse.ArgumentTypeError(
-                f"each count must be a number > 0 and at most {MAX_GPUS:.0e}, got {item!r} in {text!r}"
-            )
-        counts.append(value)
-    if len(counts) > MAX_COUNTS:
-        raise argparse.ArgumentTypeError(f"at most {MAX_COUNTS} counts, got {len(counts)}")
-    return counts
-
-
-def _groups(text: str) -> int | None:
-    """`--groups`: auto (None) or a number of groups >= 1."""
-    return None if text == "auto" else at_least(int, 1)(text)
-
-
-def _failures_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cluster",
-        help="a cluster file or a shipped one whose [failures] rates to use (default: Llama 3's)",
-    )
-    p.add_argument(
-        "--gpus",
-        type=_gpu_counts,
-        default="1e3,1e4,1e5,1e6,1e7",
-        help=f"comma-separated accelerator counts, each at most {MAX_GPUS:.0e}, at most {MAX_COUNTS} of them",
-    )
-    span = "at most the simulated span, --days x 86400 s: a longer one makes every goodput zero"
-    p.add_argument(
-        "--save-cost-s",
-        type=above(float, 0),
-        default=60.0,
-        help=f"seconds a checkpoint save stalls the job ({span})",
-    )
-    p.add_argument(
-        "--restart-s",
-        type=at_least(float, 0),
-        default=600.0,
-        help=f"seconds to restart (or heal a group; {span})",
-    )
-    p.add_argument(
-        "--detect-s",
-        type=at_least(float, 0),
-        default=0.0,
-        help=f"seconds from a failure to its detection ({span})",
-    )
-    p.add_argument(
-        "--groups",
-        type=_groups,
-        default="auto",
-        help="semi-synchronous replica groups: auto or N (at most the smallest --gpus count: a group holds one)",
-    )
-    p.add_argument(
-        "--min-group-gpus", type=at_least(int, 1), default=1024, help="auto: accelerators a group must hold"
-    )
-    p.add_argument(
-        "--sync-s",
-        type=above(float, 0),
-        default=600.0,
-        help=f"seconds between semi-synchronous syncs, > 0 (0 would be a sync that never ends; {span})",
-    )
-    p.add_argument(
-        "--days",
-        type=above(float, 0, MAX_DAYS),
-        default=30.0,
-        help=f"simulated days per replica, at most {MAX_DAYS:g} (100 years); a table simulates at most "
-        f"{MAX_SIM_EVENTS:,} failures and saves (a few seconds): more is refused naming the largest --days",
-    )
-    p.add_argument(
-        "--replicas",
-        type=at_least(int, 2, MAX_REPLICAS),
-        default=8,
-        help=f"independent simulations (for the 95%% CI), at most {MAX_REPLICAS}",
-    )
-    p.add_argument("--no-sim", action="store_true", help="closed forms only")
-    p.add_argument("--json", help="write one row per accelerator count here (a new file, unless --force)")
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
-    p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the simulation")
-
-
-def cmd_failures(args: argparse.Namespace) -> None:
-    """`tenx plan failures`: the table, the 50% crossing, and the groups that keep 90%."""
-    from tenx.plan.estimate import cluster_file, load_cluster
-    from tenx.utils.io import atomic_write_text, check_output_file
-
-    out = None
-    if args.json is not None:
-        inputs = (cluster_file(args.cluster),) if args.cluster else ()
-        out = check_output_file(args.json, force=args.force, flag="--json", inputs=inputs)
-    # argparse runs `type` on a string default too, but not on a value set in Python (tests, callers)
-    gpus = _gpu_counts(args.gpus) if isinstance(args.gpus, str) else args.gpus
-    groups = _groups(args.groups) if isinstance(args.groups, str) else args.groups
-    cluster = load_cluster(args.cluster) if args.cluster else None
-    failures = cluster.failures if cluster else FailureRates()
-    rows = failure_table(
-        gpus,
-        args.save_cost_s,
-        args.restart_s,
-        args.detect_s,
-        groups,
-        args.min_group_gpus,
-        args.sync_s,
-        not args.no_sim,
-        args.days,
-        args.replicas,
-        args.seed,
-        failures,
-    )
-    where = f"cluster {cluster.name}" if cluster else "no --cluster: the default"
-    print(
-        f"rates ({where}): {failures.describe()}, linear in GPUs; δ={args.save_cost_s:g}s "
-        f"R={args.restart_s:g}s D={args.detect_s:g}s sync every {args.sync_s:g}s"
-    )
-    if cluster:
-        print(
-            f"cluster {cluster.name}: {cluster.accelerators:,} accelerators, one interruption every "
-            f"{_dur(job_mtbf_s(cluster.accelerators, failures))} on average"
-        )
-    print(format_table(rows))
-    half = sync_below_half_gpus(args.save_cost_s, args.restart_s, args.detect_s, failures)
-    if math.isnan(half):
-        print("synchronous goodput does not cross 50% between 1e-9 and 1e18 accelerators at these rates")
-    else:
-        print(f"synchronous goodput falls below 50% at about {half:,.0f} accelerators")
-    for r in rows:
-        if r.groups_for_90 is not None:
-            print(f"  {r.gpus:.0e} GPUs: >= {r.groups_for_90} groups keep semi-synchronous goodput >= 90%")
-    if out is not None:
-        keys = ("gpus", "mtbf_s", "checkpoint_interval_s", "goodput_sync", "goodput_semi_sync", "groups")
-        rows_out = [
-            {**{k: asdict(r)[k] for k in keys}, **{k: v for k, v in asdict(r).items() if k not in keys}}
-            for r in rows
-        ]
-        atomic_write_text(out, json.dumps(rows_out, indent=2) + "\n")
-        print(f"wrote {args.json}")

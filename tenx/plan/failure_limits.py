@@ -23,7 +23,7 @@ detection, save or sync longer than the whole span makes every goodput zero and 
 MAX_REPLICAS = 1000
 """The most `--replicas` (the 95% interval narrows as 1/sqrt(replicas): 1000 gives 1/11 of 8's)."""
 MAX_SIM_EVENTS = 5_000_000
-"""The most failures and saves one table may simulate (about a microsecond each: a few seconds)."""
+"""The most failures one table may simulate (about a microsecond each: a few seconds)."""
 REPLICA_COST_EVENTS = 100
 """What one simulated replica costs besides its events (a generator, a block of draws), in events."""
 

@@ -18,9 +18,7 @@ On a CPU the micro-batch is capped (`max_tokens`) and times are scaled up linear
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -31,12 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from tenx.errors import ConfigError
-from tenx.hardware import pick_device, resolve_precision
 from tenx.model.config import ModelConfig, round_up
 from tenx.model.flops import count_params
-from tenx.plan.estimate import DEFAULT_VOCAB, MAX_VOCAB
-from tenx.utils.cli import at_least, subcommand
-from tenx.utils.io import atomic_write_text, check_output_file
+from tenx.plan.estimate import DEFAULT_VOCAB
 
 CPU_MAX_TOKENS = 2048
 """Rows per GEMM benchmarked on a CPU; a full micro-batch of a large config would take minutes."""
@@ -367,91 +362,3 @@ def format_shapes(result: dict[str, Any]) -> str:
             f"the FLOPs and x{c['params'] / result['params']:.3f} the parameters"
         )
     return "\n".join(lines)
-
-
-def cmd_shapes(args: argparse.Namespace) -> int:
-    """Benchmark the run's GEMM shapes and nearby candidates; print the report, optionally write JSON."""
-    from tenx.plan.estimate import plan_vocab
-    from tenx.train.config import load_run_config, resolve_config_path
-
-    config = resolve_config_path(args.config)
-    out = None
-    if args.json is not None:
-        out = check_output_file(args.json, force=args.force, flag="--json", inputs=(config,))
-    run = load_run_config(config, args.set)
-    vocab = plan_vocab(run, args.vocab)
-    print(vocab.describe())
-    device = pick_device(args.device, "--device")
-    dtype = resolve_precision(args.dtype or run.train.precision, device)
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        from tenx.hardware import cpu_has_fast_bf16
-
-        if not cpu_has_fast_bf16():
-            print("note: this CPU has no native bf16 matmuls; bf16 times are ~100x fp32's (use --dtype fp32)")
-    threads = args.threads or run.train.threads
-    if threads:
-        torch.set_num_threads(threads)
-    result = benchmark_shapes(
-        run.model,
-        run.train.micro_batch,
-        device,
-        dtype,
-        args.repeat,
-        vocab=vocab.size,
-        max_tokens=args.max_tokens,
-    )
-    result.update(
-        config=args.config, vocab=vocab.size, vocab_source=vocab.source, vocab_assumed=vocab.assumed
-    )
-    print(format_shapes(result))
-    if out is not None:
-        atomic_write_text(out, json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
-
-
-def register(plan_subparsers: Any) -> None:
-    """Register `tenx plan shapes` on the `plan` subcommand's subparsers."""
-    about = "measure the run's GEMM shapes and nearby faster ones"
-    subcommand(plan_subparsers, "shapes", about, cmd_shapes, _shapes_arguments)
-
-
-def _shapes_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="run config: a .toml path or a shipped name")
-    p.add_argument("--set", action="append", default=[], metavar="K=V", help="override a config field")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument(
-        "--dtype", choices=["fp32", "bf16"], default=None, help="matmul dtype (default: the run's precision)"
-    )
-    p.add_argument(
-        "--vocab",
-        type=at_least(int, 1, MAX_VOCAB),
-        default=None,
-        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
-        "50257, said to be assumed)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=at_least(int, 2, 1000),
-        default=5,
-        help="timing rounds (interleaved across shapes), at most 1000",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=at_least(int, 1),
-        default=None,
-        help=f"rows per GEMM (default: the whole micro-batch on a GPU, {CPU_MAX_TOKENS} on a CPU)",
-    )
-    p.add_argument(
-        "--threads",
-        type=at_least(int, 1, 4096),
-        default=None,
-        help="torch CPU threads, at most 4096 (default: the config's train.threads, else torch's own choice)",
-    )
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="also write the report as JSON (a new file, unless --force)",
-    )
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")

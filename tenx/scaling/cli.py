@@ -275,9 +275,57 @@ def cmd_predict(args: argparse.Namespace) -> None:
 
 
 def _predict_arguments(pp: argparse.ArgumentParser) -> None:
-    from tenx.scaling.predict import add_arguments
+    from tenx.scaling.curve import DEFAULT_LAW, EXTRAPOLATION_LAW, LAWS
+    from tenx.scaling.predict import QUANTITIES
 
-    add_arguments(pp)
+    pp.add_argument(
+        "--from", dest="ladder", metavar="LADDER_DIR", help="a ladder's directory (tenx ladder --out)"
+    )
+    pp.add_argument("--config", help="the run to predict: a config path or a shipped name (with --from)")
+    add_set(pp, "override the config (repeatable)")
+    pp.add_argument("--run", metavar="RUN_DIR", help="extrapolate this run from its curve so far instead")
+    pp.add_argument(
+        "--curves",
+        metavar="FIT",
+        help="a curve table (.jsonl/.csv, docs/prediction.md) of runs to fit: with --target, predict its "
+        "runs; with --run or --from, a prior on the law's shape",
+    )
+    pp.add_argument(
+        "--target",
+        metavar="TARGET",
+        help="a curve table of the runs to predict (every row past warmup; rows with a loss are compared)",
+    )
+    pp.add_argument(
+        "--split",
+        choices=["val", "train"],
+        help="with --target: the loss to fit (default: the one every run has)",
+    )
+    pp.add_argument(
+        "--law",
+        choices=sorted(LAWS),
+        help=f"the curve law (default: {DEFAULT_LAW} from a ladder, {EXTRAPOLATION_LAW} for --run)",
+    )
+    pp.add_argument(
+        "--quantity",
+        choices=["auto", *QUANTITIES],
+        help="the metrics column to predict: loss (training) or val_loss (default: from a ladder, val_loss "
+        "when every run logged it, see ladder.evals_per_run; for --run, loss)",
+    )
+    pp.add_argument(
+        "--world-size", type=int, default=1, help="ranks the config will run on (its batch is per rank)"
+    )
+    pp.add_argument("--bootstrap", type=int, default=30, help="bootstrap resamples for the band (0: none)")
+    pp.add_argument(
+        "-o",
+        "--out",
+        help="output directory (default: RUN_DIR/extrapolation, or LADDER_DIR/predictions/CONFIG; never a "
+        "run directory's own prediction.json)",
+    )
+    pp.add_argument(
+        "--force",
+        action="store_true",
+        help="with -o: replace a prediction.json or prediction.png already there",
+    )
 
 
 def register(subparsers: Any) -> None:
