@@ -28,6 +28,14 @@ replica groups' attach and close (they receive the trainer's state before the fi
 
 `TrainerView` is all a callback may read of the trainer: every name it lists, nothing else
 (tests/test_callback_contract.py holds the callbacks of tenx to it). The Trainer satisfies it structurally.
+
+The view is flat (`trainer.loader`, not `trainer.parts.data.loader`) on purpose. tenx/train/parts.py builds
+the parts in groups (`Parts`: shape, data, trained, flops, checkpoints, services), which is how they are
+made and replaced together; a reader wants the thing, not where it was built. About 130 reads of
+`trainer.NAME` in callbacks, tests and benches, and 170 in the trainer and its state, name parts this way,
+and a group in each would say nothing they need. `TrainerParts` (parts.py) gives each flat name one home in
+`Parts` (a `Part` descriptor reads and writes the grouped field, so the two never disagree), and this view
+lists the ones a callback may read.
 """
 
 from __future__ import annotations

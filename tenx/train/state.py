@@ -74,7 +74,8 @@ class TrainerState(TrainerParts):
     """Save, load, resume, rollback and healing for the Trainer (mixed into it; see the module doc).
 
     Its contract with the Trainer: the parts, under the names of TrainerParts; the counters and flags
-    below, which the Trainer sets first in `__init__` and these methods read and replace; and `_emit`.
+    below, which the Trainer's `__init__` starts (`_start_counters`) and these methods read and replace;
+    and `_emit`.
     """
 
     cfg: RunConfig
@@ -87,6 +88,14 @@ class TrainerState(TrainerParts):
     """The checkpoint the state was last loaded from."""
     _rollback_due: bool
     """The guard saw max_bad_steps bad steps in a row: the loop calls `rollback` at the step's end."""
+
+    def _start_counters(self) -> None:
+        """The counters and flags above as a run that has taken no step yet has them."""
+        self.step = 0
+        self.tokens_seen = 0
+        self.resumed_from = None
+        self.rollbacks = 0
+        self._rollback_due = False
 
     def _emit(self, event: str, *args: Any) -> None:
         raise NotImplementedError  # the Trainer dispatches hook events to its callbacks
