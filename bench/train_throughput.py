@@ -304,7 +304,7 @@ class StepClock(Callback):
 
 def run_tenx(cfg: RunConfig, run_dir: Path) -> dict:
     """Train tenx for cfg.train.steps through its default callbacks; per-turn wall seconds, losses, costs."""
-    callbacks = default_callbacks(cfg, run_dir)
+    callbacks = default_callbacks(cfg)
     clock = StepClock(callbacks)
     trainer = Trainer(cfg, run_dir, [*callbacks, clock])
     trainer.fit()

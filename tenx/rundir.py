@@ -22,6 +22,7 @@ RUN_DIR/
   prediction.png       its plot
   extrapolation/       prediction.json and .png of `tenx predict --run` (the run from its own curve)
   stacks-pidN.txt      thread stacks dumped by `kill -USR1 N` (removed when empty)
+  hang-stepS-pidN.txt  thread stacks the watchdog dumped when step S did not complete in time
   writer.lock          held by the one process writing the run (tenx.utils.lock): who, since when
   tensorboard/         TensorBoard scalars
   wandb/               the W&B run (log.wandb; log.wandb_dir puts it elsewhere)
@@ -62,6 +63,7 @@ WANDB = "wandb"
 WANDB_STATE = "wandb.json"
 CHECKPOINTS = "checkpoints"
 STACKS = "stacks-pid"
+HANG = "hang-step"
 WRITER_LOCK = "writer.lock"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 """A published checkpoint's directory name."""
@@ -196,3 +198,7 @@ class RunDir:
     def stacks(self, pid: int) -> Path:
         """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""
         return self.root / f"{STACKS}{pid}.txt"
+
+    def hang_report(self, step: int, pid: int) -> Path:
+        """Where the watchdog of process `pid` dumps its thread stacks when `step` did not complete in time."""
+        return self.root / f"{HANG}{step}-pid{pid}.txt"

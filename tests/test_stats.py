@@ -303,9 +303,9 @@ def test_stats_only_at_their_interval_and_training_unchanged(tiny_config, tiny_d
 
 
 def test_callback_is_installed_by_config(tiny_config, tiny_data):
-    on = default_callbacks(tiny_config(tiny_data, "monitor.stats_every=7"), Path("unused"), rank=1)
+    on = default_callbacks(tiny_config(tiny_data, "monitor.stats_every=7"), rank=1)
     assert [cb.every for cb in on if isinstance(cb, ModelStats)] == [7]  # on every rank, not only 0
-    off = default_callbacks(tiny_config(tiny_data, "monitor.stats_every=0"), Path("unused"))
+    off = default_callbacks(tiny_config(tiny_data, "monitor.stats_every=0"))
     assert not any(isinstance(cb, ModelStats) for cb in off)
 
 

@@ -102,7 +102,8 @@ def offline(monkeypatch, tmp_path):
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY"):  # runs go where the config says: RUN_DIR/wandb
+    # runs go where the config says: RUN_DIR/wandb
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -297,22 +298,23 @@ def test_the_config_wins_over_wandb_environment_variables_and_fills_none_of_its_
 
     fake = _FakeWandb()
     monkeypatch.setattr(wandb_sink, "import_wandb", lambda: fake)
-    view = type("View", (), {"step": 0})()
+
+    def view(run: str) -> Any:  # what the sink reads of the trainer: the step and the run directory
+        return type("View", (), {"step": 0, "rundir": RunDir(tmp_path / run)})()
+
     env = {"WANDB_PROJECT": "env-project", "WANDB_ENTITY": "env-team", "WANDB_MODE": "offline"}
     for name, value in {**env, "WANDB_DIR": str(tmp_path / "env-dir")}.items():
         monkeypatch.setenv(name, value)
-    sink = wandb_sink.WandbSink(tmp_path / "run", project="")
-    sink.on_train_start(view)
+    sink = wandb_sink.WandbSink(project="")
+    sink.on_train_start(view("run"))
     assert fake.kwargs["project"] == "env-project" and fake.kwargs["dir"] == str(tmp_path / "env-dir")
     assert fake.kwargs["mode"] is None and fake.kwargs["entity"] is None  # W&B reads its variables itself
-    sink = wandb_sink.WandbSink(
-        tmp_path / "run2", project="cfg", entity="team", mode="online", directory=str(tmp_path / "d")
-    )
-    sink.on_train_start(view)
+    sink = wandb_sink.WandbSink(project="cfg", entity="team", mode="online", directory=str(tmp_path / "d"))
+    sink.on_train_start(view("run2"))
     assert (fake.kwargs["project"], fake.kwargs["entity"], fake.kwargs["mode"]) == ("cfg", "team", "online")
     assert fake.kwargs["dir"] == str(tmp_path / "d")
     for name in (*env, "WANDB_DIR"):
         monkeypatch.delenv(name)
-    sink = wandb_sink.WandbSink(tmp_path / "run3", project="")
-    sink.on_train_start(view)
+    sink = wandb_sink.WandbSink(project="")
+    sink.on_train_start(view("run3"))
     assert fake.kwargs["project"] == "tenx" and fake.kwargs["dir"] == str(tmp_path / "run3")

@@ -66,7 +66,7 @@ class SelfExtrapolation(Callback):
             return
         if self.params is None:
             self.params = sum(p.numel() for p in trainer.model.parameters())
-        metrics = RunDir(trainer.run_dir).metrics
+        metrics = trainer.rundir.metrics
         if trainer.step and metrics.exists():  # a resumed run: its curve so far
             self.records = [
                 self._keep(r)

@@ -363,7 +363,7 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         services=ServiceParts(
             events=events,
             ledger=Ledger(rundir.root) if env.rank == 0 else None,
-            watchdog=Watchdog(cfg.watchdog, rundir.root, events),
+            watchdog=Watchdog(cfg.watchdog, rundir, events),
             replicas=replicas,
         ),
     )

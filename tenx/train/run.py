@@ -7,7 +7,6 @@ from typing import Any
 
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
-from tenx import rundir
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
 from tenx.hardware import pick_device
@@ -19,6 +18,7 @@ from tenx.parallel.distributed import (
     rank_device,
     shutdown_distributed,
 )
+from tenx.rundir import RunDir
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
 from tenx.train.callbacks.faults import build_injector
@@ -34,9 +34,7 @@ from tenx.utils.lock import exclusive_writer
 from tenx.utils.storage import describe_storage_problem, ensure_writable
 
 
-def default_callbacks(
-    cfg: RunConfig, run_dir: Path, extra: list[Callback] | None = None, rank: int = 0
-) -> list[Callback]:
+def default_callbacks(cfg: RunConfig, extra: list[Callback] | None = None, rank: int = 0) -> list[Callback]:
     """The fault injector (when faults are configured), the replica consistency check (when
     parallel.consistency.every > 0), validation, `extra` callbacks, the step record, the prequential code
     length (rank 0), the statistics inside the model (when
@@ -63,9 +61,9 @@ def default_callbacks(
     if rank == 0 and (cfg.monitor.prediction or cfg.monitor.trends):
         callbacks.append(Watch(cfg.monitor))  # after every callback that adds figures, before they are logged
     if rank == 0:
-        callbacks.append(MetricsLogger(run_dir, cfg.log.tensorboard))
+        callbacks.append(MetricsLogger(cfg.log.tensorboard))
     if rank == 0 and cfg.log.wandb:  # after metrics.jsonl is written: W&B mirrors it
-        callbacks.append(build_wandb_sink(cfg, run_dir))
+        callbacks.append(build_wandb_sink(cfg))
     if cfg.log.progress and rank == 0:
         callbacks.append(Progress(cfg.log.print_every))
     c = cfg.checkpoint
@@ -73,11 +71,10 @@ def default_callbacks(
     return callbacks
 
 
-def build_wandb_sink(cfg: RunConfig, run_dir: Path) -> WandbSink:
+def build_wandb_sink(cfg: RunConfig) -> WandbSink:
     """The W&B sink of `cfg.log` (imports wandb: a ConfigError that says `pip install wandb` without it)."""
     log = cfg.log
     return WandbSink(
-        run_dir,
         project=log.wandb_project,
         entity=log.wandb_entity,
         name=log.wandb_name,
@@ -96,25 +93,27 @@ def train(
     resume_hint: str | None = None,
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path.
-    `resume_hint`: what a stop signal's message says continues the run (default `--resume auto`)."""
-    run_dir = Path(run_dir)
-    ensure_writable(run_dir, "run directory")
+    `resume_hint`: what a stop signal's message says continues the run (default `--resume auto`).
+    The run directory is made a RunDir here, once: the trainer, its parts and its callbacks
+    (`trainer.rundir`) take their paths from it."""
+    run = RunDir(run_dir)
+    ensure_writable(run.root, "run directory")
     env = dist_env()
     if env.rank != 0:  # rank 0 holds the run's lock (one writer per run directory) for the job
-        return _train(cfg, run_dir, env, resume, extra_callbacks, resume_hint)
-    with exclusive_writer(rundir.RunDir(run_dir).writer_lock, "run directory"):
-        return _train(cfg, run_dir, env, resume, extra_callbacks, resume_hint)
+        return _train(cfg, run, env, resume, extra_callbacks, resume_hint)
+    with exclusive_writer(run.writer_lock, "run directory"):
+        return _train(cfg, run, env, resume, extra_callbacks, resume_hint)
 
 
 def _train(
     cfg: RunConfig,
-    run_dir: Path,
+    run: RunDir,
     env: DistEnv,
     resume: str | None,
     extra_callbacks: list[Callback] | None,
     resume_hint: str | None,
 ) -> tuple[Trainer, dict[str, Any]]:
-    checkpoints = rundir.RunDir(run_dir).checkpoints
+    run_dir, checkpoints = run.root, run.checkpoints
     if resume is None and ckpt.list_checkpoints(checkpoints):
         raise TenxError(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
@@ -125,7 +124,7 @@ def _train(
     )
     finished = False
     try:
-        trainer = Trainer(cfg, run_dir, default_callbacks(cfg, run_dir, extra_callbacks, env.rank), env=env)
+        trainer = Trainer(cfg, run, default_callbacks(cfg, extra_callbacks, env.rank), env=env)
         if resume_hint is not None:
             trainer.resume_hint = resume_hint
         if resume is None and env.rank == 0:

@@ -2,7 +2,7 @@
 
 The training loop calls `beat()` after every step. If the next beat is late by more than `timeout_s`
 (`first_step_timeout_s` before the first step, which may compile or verify data), the watchdog writes
-every thread's stack (faulthandler) to RUN_DIR/hang-step<N>-pid<P>.txt, records a `hang` event and ends
+every thread's stack (faulthandler) to RUN_DIR/hang-step<N>-pid<P>.txt (RunDir.hang_report), records a `hang` event and ends
 the process with exit status 3, so a supervisor restarts it from the newest checkpoint. A Python-level
 thread cannot fire while C code holds the GIL forever; the supervisor's heartbeat check covers that case.
 """
@@ -14,10 +14,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tenx.config import field
+from tenx.rundir import RunDir
 
 if TYPE_CHECKING:
     from tenx.monitor.events import EventLog
@@ -41,9 +41,9 @@ class WatchdogConfig:
 class Watchdog:
     """Dumps all stacks and exits when `beat()` is not called within the limit."""
 
-    def __init__(self, cfg: WatchdogConfig, run_dir: str | Path, events: EventLog | None = None) -> None:
+    def __init__(self, cfg: WatchdogConfig, run: RunDir, events: EventLog | None = None) -> None:
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run = run
         self.events = events
         self.step = 0
         self._last = time.monotonic()
@@ -80,8 +80,8 @@ class Watchdog:
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / f"hang-step{self.step + 1}-pid{os.getpid()}.txt"
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        path = self.run.hang_report(self.step + 1, os.getpid())
         with open(path, "w") as f:
             f.write(f"tenx watchdog: no step completed for {waited:.1f} s after step {self.step}\n\n")
             f.flush()

@@ -5,47 +5,46 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from tenx import rundir
 from tenx.monitor.metrics_file import read_metrics
 from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_text
 
 
 class MetricsLogger(Callback):
-    """Appends each step's metrics to RUN_DIR/metrics.jsonl and, optionally, to TensorBoard."""
+    """Appends each step's metrics to RUN_DIR/metrics.jsonl (the trainer's `rundir`) and, optionally, to
+    TensorBoard."""
 
     name = "metrics"
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
-        self.run = rundir.RunDir(run_dir)
-        self.path = self.run.metrics
+    def __init__(self, tensorboard: bool = True) -> None:
         self.tensorboard = tensorboard
         self._file: Any = None
         self._writer: Any = None
         self._last_step = 0
 
     def on_train_start(self, trainer: TrainerView) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
+        path = trainer.rundir.metrics
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
             # After a resume, drop records past the checkpoint: those steps are trained again.
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= trainer.step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a")
+            kept = [r for r in read_metrics(path) if r.get("step", 0) <= trainer.step]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a")
         self._last_step = trainer.step
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.run.tensorboard), purge_step=trainer.step + 1)
+            self._writer = SummaryWriter(str(trainer.rundir.tensorboard), purge_step=trainer.step + 1)
 
     def on_step_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if metrics["step"] <= self._last_step:  # after a rollback: the steps are trained again
+            path = trainer.rundir.metrics
             self._file.close()
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) < metrics["step"]]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-            self._file = open(self.path, "a")
+            kept = [r for r in read_metrics(path) if r.get("step", 0) < metrics["step"]]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+            self._file = open(path, "a")
         self._last_step = metrics["step"]
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()

@@ -33,18 +33,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tenx import rundir
 from tenx.errors import ConfigError, DataError, TenxError
 from tenx.monitor.events import read_events
 from tenx.monitor.prediction_file import Prediction, read_prediction
+from tenx.rundir import RunDir
 from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json
 from tenx.utils.storage import ensure_writable
 
 WANDB_RUN_ID = re.compile(r"[0-9a-f]{16}")
+"""The W&B run ids this sink makes (and takes back from RUN_DIR/wandb.json)."""
 DEFAULT_PROJECT = "tenx"
 """The W&B project when neither log.wandb_project nor WANDB_PROJECT names one."""
-"""The W&B run ids this sink makes (and takes back from RUN_DIR/wandb.json)."""
 
 
 def import_wandb() -> Any:
@@ -68,10 +68,11 @@ class WandbSink(Callback):
     """Mirrors each step's metrics, the run's events and the prediction band into a W&B run (rank 0)."""
 
     name = "wandb_sink"
+    run: RunDir
+    """The trainer's run directory (from when training starts)."""
 
     def __init__(
         self,
-        run_dir: str | Path,
         project: str,
         entity: str = "",
         name: str = "",
@@ -81,14 +82,13 @@ class WandbSink(Callback):
         config: dict[str, Any] | None = None,
     ) -> None:
         self.wandb = import_wandb()  # here, so a missing package stops the run before its first step
-        self.run = rundir.RunDir(run_dir)
         # what the config leaves empty, W&B's own environment variables decide, as in any trainer that logs
         # to W&B (WANDB_MODE=offline on a node without internet); tenx's fallbacks only where both are unset
         self.project = project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
         self.entity = entity or None  # W&B reads WANDB_ENTITY, else the login's default
         self.mode = mode or None  # W&B reads WANDB_MODE, else online
-        self.run_name = name or self.run.root.resolve().name
-        self.directory = Path(directory or os.environ.get("WANDB_DIR") or self.run.root)
+        self.run_name = name  # empty: the run directory's name
+        self.directory_setting = directory or os.environ.get("WANDB_DIR") or ""  # empty: the run directory
         self.config = config or {}
         self.prediction: Prediction | None = None
         if prediction:
@@ -102,6 +102,9 @@ class WandbSink(Callback):
         self._failed = False
 
     def on_train_start(self, trainer: TrainerView) -> None:
+        self.run = trainer.rundir
+        self.run_name = self.run_name or self.run.root.resolve().name
+        self.directory = Path(self.directory_setting or self.run.root)
         state = self._read_state() if trainer.step > 0 else {}
         run_id = state.get("id") or uuid.uuid4().hex[:16]
         self._events_sent = int(state.get("events_sent", 0)) if state.get("id") else 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tenx import rundir
 from tenx.errors import ConfigError, TenxError
 from tenx.monitor.config import MonitorConfig
 from tenx.monitor.deviation import PredictionWatch, check_target
@@ -40,7 +39,7 @@ class Watch(Callback):
         if self.cfg.prediction:
             check_target(self._loaded, self.cfg.prediction, trainer.total_steps, trainer.tokens_per_step)
             # the run directory keeps the prediction it is watched against (the dashboard reads it there)
-            write_prediction(rundir.RunDir(trainer.run_dir).prediction, self._loaded)
+            write_prediction(trainer.rundir.prediction, self._loaded)
             state = self._pending.get("prediction")
             self.prediction = PredictionWatch(self._loaded, self.cfg.off_prediction_steps)
             if state:
