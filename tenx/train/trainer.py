@@ -108,30 +108,35 @@ class Trainer(TrainerState):
         """The wall-clock budget whose plan the loop follows (tenx.train.callbacks.budget); None: none."""
         self.optim_cfg = cfg.optim
         """The optimizer settings the steps follow: cfg.optim, with the budget's warmup when it re-plans."""
-        float8 = cfg.train.precision == "fp8"
-        self.mfu_meter = MfuMeter(
-            lambda: peak_flops(self.device, self.amp_dtype, float8=float8) * self.data_parallel,
-            lambda kind, **fields: self.events.emit(kind, self.step, **fields) if self.rank == 0 else None,
-        )
-        self._auto_threads = (  # a lone CPU process that chose to follow other programs' load
-            self.device.type == "cpu"
-            and cfg.train.follow_load
-            and cfg.train.threads is None
-            and env_threads() is None
-            and self.world_size == 1
-        )
+        self.mfu_meter = self._mfu_meter()
+        self._auto_threads = self._threads_follow_load()
         self._threads_checked = time.perf_counter()
         self.train_stream.on_bad_shard = self._on_bad_shard
         self.sync: Any = self.replicas if self.replicas is not None else LocalStep()
         """The cross-group part of each step (tenx.parallel.replicas)."""
-        self.step = 0
-        self.tokens_seen = 0
         self.in_flight: dict[str, Any] = {}
         """The step being taken: its number, loader positions [start, end) and windows (this rank's, and
         every rank's per micro-batch), for the step record and for a crash's incident."""
-        self.resumed_from = None
-        self.rollbacks = 0
-        self._rollback_due = False
+        self._start_counters()
+
+    def _mfu_meter(self) -> MfuMeter:
+        """MFU against every data-parallel worker's peak at the run's precision; its events from rank 0."""
+        float8 = self.cfg.train.precision == "fp8"
+        return MfuMeter(
+            lambda: peak_flops(self.device, self.amp_dtype, float8=float8) * self.data_parallel,
+            lambda kind, **fields: self.events.emit(kind, self.step, **fields) if self.rank == 0 else None,
+        )
+
+    def _threads_follow_load(self) -> bool:
+        """Whether `_follow_load` chooses the thread count again: a lone CPU process with train.follow_load
+        and neither train.threads nor OMP_NUM_THREADS."""
+        return (
+            self.device.type == "cpu"
+            and self.cfg.train.follow_load
+            and self.cfg.train.threads is None
+            and env_threads() is None
+            and self.world_size == 1
+        )
 
     def _emit(self, event: str, *args: Any) -> None:
         """Call hook `event` of every callback, in order, with this trainer first."""
