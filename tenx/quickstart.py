@@ -34,13 +34,13 @@ from tenx.errors import ConfigError
 from tenx.eval.evaluate import evaluate
 from tenx.hardware import cpu_name, pick_device, resolve_precision
 from tenx.monitor.loss_plot import plot_loss_curve
-from tenx.scaling.ladder import measure_tokens_per_s
+from tenx.scaling.ladder.run import measure_tokens_per_s
 from tenx.train.callbacks.budget import WallBudget, planned_steps
 from tenx.train.config import RunConfig, load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.run import train
-from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
 from tenx.utils.io import atomic_write_json, read_json_object
+from tenx.utils.xz import xz_bits_per_byte, xz_bits_per_byte_per_document
 
 _RESERVE_S = 20.0  # xz -9e on the held-out bytes, the loss plot, the trainer's start-up (measured: 15 s)
 _LOOP_EFFICIENCY = 0.95  # steps took 99% of a quickstart run's loop; the rest covers a probe that ran fast

@@ -126,7 +126,7 @@ def test_bounds_checked_on_trees_built_in_python():
 def test_config_flags_round_trip():
     import argparse
 
-    from tenx.scaling.rungs import LadderConfig
+    from tenx.scaling.ladder.rungs import LadderConfig
 
     parser = argparse.ArgumentParser()
     fields = ("grid", "tokens_per_param", "unique_tokens", "seeds")
@@ -151,7 +151,7 @@ def _nodes(cfg, where=""):
 
 def test_a_config_section_is_named_once_and_where_the_tree_puts_it():
     """A config validated on its own names its section (SECTION) as the trees that hold it do."""
-    from tenx.scaling.derisk import DeriskConfig
+    from tenx.scaling.derisk.compute import DeriskConfig
 
     sections = {}
     for tree in (RunConfig(), DeriskConfig()):

@@ -1,4 +1,4 @@
-"""Effective data multipliers (`tenx derisk` mode 'data', tenx/scaling/data_multiplier.py) on synthetic losses
+"""Effective data multipliers (`tenx derisk` mode 'data', tenx/scaling/derisk/data.py) on synthetic losses
 from a known data-constrained law, its plan and errors, and `tenx plan choose --unique-tokens`."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 from tenx.cli import main
 from tenx.errors import ConfigError
-from tenx.scaling.data_multiplier import (
+from tenx.scaling.derisk.compute import ChangeConfig, DeriskConfig, load_derisk
+from tenx.scaling.derisk.data import (
     LAW_PARAMS,
     MIN_CAPPED_EPOCHS,
     analyse_data,
@@ -22,10 +23,9 @@ from tenx.scaling.data_multiplier import (
     format_data_derisk,
     plan_data_derisk,
 )
-from tenx.scaling.derisk import ChangeConfig, DeriskConfig, load_derisk
 from tenx.scaling.fit import compute_optimal, data_limited_optimal, effective_data
 from tenx.scaling.fit.laws import FitResult
-from tenx.scaling.rungs import LadderConfig
+from tenx.scaling.ladder.rungs import LadderConfig
 from tenx.train.config import CONFIG_DIR
 
 TRUE = {"E": 1.5, "A": 50.0, "B": 200.0, "alpha": 0.3, "beta": 0.3, "R_D_star": 5.0}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tenx.eval.bpb import stream_nll, summarize, window_plan
 from tenx.model import ModelConfig, Transformer
-from tenx.utils.compression import xz_bits_per_byte
+from tenx.utils.xz import xz_bits_per_byte
 
 
 @pytest.mark.parametrize(

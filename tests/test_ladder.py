@@ -17,8 +17,9 @@ from tenx.cli import build_parser, main
 from tenx.data.manifest import read_manifest
 from tenx.errors import ConfigError
 from tenx.monitor.goodput import compute_goodput
-from tenx.scaling import ladder as ladder_mod
-from tenx.scaling.ladder import (
+from tenx.scaling.ladder import run as ladder_mod
+from tenx.scaling.ladder.estimate import RUN_OVERHEAD_S
+from tenx.scaling.ladder.run import (
     LadderConfig,
     LadderProgress,
     config_key,
@@ -30,7 +31,6 @@ from tenx.scaling.ladder import (
     run_one,
     steady_step_seconds,
 )
-from tenx.scaling.ladder_estimate import RUN_OVERHEAD_S
 from tenx.train.callbacks.faults import FaultConfig, InjectedFault
 
 

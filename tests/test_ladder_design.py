@@ -9,8 +9,8 @@ import math
 import pytest
 
 from tenx.errors import ConfigError
-from tenx.scaling.derisk import load_derisk, plan_derisk
-from tenx.scaling.ladder import (
+from tenx.scaling.derisk.compute import load_derisk, plan_derisk
+from tenx.scaling.ladder.run import (
     DEFAULT_BUDGETS,
     LadderConfig,
     config_key,

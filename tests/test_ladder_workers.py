@@ -1,4 +1,4 @@
-"""A ladder's runs trained `ladder.workers` at a time (tenx.scaling.ladder.run_planned)."""
+"""A ladder's runs trained `ladder.workers` at a time (tenx.scaling.ladder.run.run_planned)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from tenx.cli import build_parser, main
 from tenx.errors import ConfigError
-from tenx.scaling.ladder import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
-from tenx.scaling.ladder_estimate import workers_seconds
+from tenx.scaling.ladder.estimate import workers_seconds
+from tenx.scaling.ladder.run import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
 
 
 def _lc(workers: int) -> LadderConfig:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tenx.errors import ConfigError
 from tenx.eval.bpb import window_plan
 from tenx.model.transformer import Transformer
-from tenx.utils.compression import xz_bits_per_byte, xz_bits_per_byte_per_document
+from tenx.utils.xz import xz_bits_per_byte, xz_bits_per_byte_per_document
 
 PARAMS = ("all", "norms", "head", "last")
 

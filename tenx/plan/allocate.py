@@ -112,7 +112,7 @@ def choose(
     from tenx.model.flops import count_params, flops_per_token
     from tenx.plan.estimate import estimate
     from tenx.scaling.fit.frontier import compute_optimal, data_limited_optimal
-    from tenx.scaling.rungs import shape_for_depth
+    from tenx.scaling.ladder.rungs import shape_for_depth
 
     if not budget > 0 or not math.isfinite(budget):
         raise ConfigError(f"--budget must be a positive number of FLOPs, got {budget}")

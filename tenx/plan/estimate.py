@@ -419,7 +419,7 @@ def plan_vocab(run: Any, flag: int | None = None) -> Vocab:
     """The vocabulary to plan `run` with: `flag` (--vocab), else the config's model.vocab_size, else its
     prepared data's manifest (data.dir), else GPT-2's, marked as assumed (the caller says so)."""
     from tenx.errors import TenxError
-    from tenx.scaling.rungs import vocab_size_of
+    from tenx.scaling.ladder.rungs import vocab_size_of
 
     explicit = run.model.vocab_size
     if flag is not None:

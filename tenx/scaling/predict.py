@@ -42,7 +42,7 @@ PREDICTION_PNG = rundir.PREDICTION_PNG
 
 def params_of(cfg: RunConfig) -> int:
     """Total parameters of cfg's model (the vocabulary from model.vocab_size or data.dir's manifest)."""
-    from tenx.scaling.rungs import vocab_size_of
+    from tenx.scaling.ladder.rungs import vocab_size_of
 
     try:
         vocab = vocab_size_of(cfg)

@@ -9,7 +9,7 @@ computed before that update, and `lr` = the learning rate of update s-1. So the 
 the n = s - 1 updates 0..s-2; every progress variable of record s sums over those.
 
 Progress variables (the choice that makes runs of different sizes comparable): the ladder scales the peak
-learning rate with width (tenx/scaling/rungs.py) and halves the batch of small runs, so neither the raw
+learning rate with width (tenx/scaling/ladder/rungs.py) and halves the batch of small runs, so neither the raw
 area under the learning rate nor the step count means the same at two sizes. The laws use the learning
 rate relative to the run's own peak, r = lr / peak in (0, 1], weighted by each update's tokens:
 

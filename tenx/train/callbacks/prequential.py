@@ -24,8 +24,8 @@ import numpy as np
 
 from tenx.data.tokenizer import load_tokenizer
 from tenx.train.hooks import Callback, TrainerView
-from tenx.utils.compression import xz_bits_per_byte
 from tenx.utils.io import atomic_write_json
+from tenx.utils.xz import xz_bits_per_byte
 
 LN2 = math.log(2)
 

@@ -1,4 +1,6 @@
-"""Classical compressors as baselines for a model's bits per byte."""
+"""The classical compressor a model's bits per byte is measured against: `xz -9e` (liblzma).
+
+Named for what it holds, not `compression`: tenx/compress/ is the model-driven compressor."""
 
 from __future__ import annotations
 

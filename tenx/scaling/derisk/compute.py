@@ -27,7 +27,7 @@ smallest and largest budget:
   or larger budgets would); this one is read before the others.
 
 With `mode = "data"` a study measures each change's effective *data* multiplier at a fixed budget of unique
-tokens instead (tenx/scaling/data_multiplier.py, which plans and analyses it with this module's pieces).
+tokens instead (tenx/scaling/derisk/data.py, which plans and analyses it with this module's pieces).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import shlex
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,9 +45,10 @@ import numpy as np
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
-from tenx.scaling.ladder import config_key, ensure_data, format_dry_run, load_base, run_planned
-from tenx.scaling.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
-from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
+from tenx.scaling.derisk.study import run_study
+from tenx.scaling.ladder.run import config_key, ensure_data, format_dry_run, load_base
+from tenx.scaling.ladder.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
+from tenx.utils.io import atomic_write_png
 
 Z95 = 1.959963984540054
 
@@ -100,7 +100,7 @@ class DeriskConfig:
     mode: Literal["compute", "data"] = field(
         "compute",
         help="'compute': effective compute multipliers of a stack; 'data': effective data multipliers of "
-        "each change alone at a fixed unique-token budget (tenx/scaling/data_multiplier.py)",
+        "each change alone at a fixed unique-token budget (tenx/scaling/derisk/data.py)",
     )
     unique_tokens: list[int] = field(
         default_factory=list,
@@ -523,34 +523,23 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     """Train every config of the stack at every budget (reusing runs already in OUT), analyse, report."""
     out = Path(out)
     if dc.mode == "data":
-        raise ConfigError("mode: 'data' studies run with tenx.scaling.data_multiplier.run_data_derisk")
+        raise ConfigError("mode: 'data' studies run with tenx.scaling.derisk.data.run_data_derisk")
     stages = plan_derisk(dc, dry_run=dry_run)
     if dry_run:
         for st in stages:
             print(f"{st.name}: {' '.join(st.overrides) or '(base config)'}")
         print(format_dry_run([r for st in stages for r in st.runs], dc.ladder))
         return {}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
-    t0 = time.perf_counter()
     runs = [r for st in stages for r in st.runs]
-    rows: dict[str, dict[str, Any]] = {}
-    for i, row in run_planned(runs, out / "ladder", dc.ladder):
-        rows[row["key"]] = row
-        state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
-        print(
-            f"[{i + 1}/{len(runs)}] {runs[i].name}: held-out {row['heldout_loss']:.4f} nats/token ({state})",
-            flush=True,
-        )
-    result = analyse(stages, rows, dc)
-    result["wall_s"] = time.perf_counter() - t0
-    atomic_write_json(out / "derisk.json", result)
-    report = format_derisk(result)
-    png = plot_report(result, out / "report.png")
-    atomic_write_text(out / "report.md", report + f"\n![multipliers]({png.name})\n")
-    print(report)
-    print(f"report: {out / 'report.md'}  plot: {png}  numbers: {out / 'derisk.json'}")
-    return result
+    return run_study(
+        dc,
+        out,
+        runs,
+        describe=lambda row: f"held-out {row['heldout_loss']:.4f} nats/token",
+        analyse=lambda rows: analyse(stages, {row["key"]: row for row in rows.values()}, dc),
+        report=format_derisk,
+        plot=plot_report,
+    )
 
 
 def derisk_from_args(

@@ -30,14 +30,13 @@ infinite when the change beats the law's floor for that model size (E + A/N^alph
 
 Intervals combine the bootstrap of the law with seed noise (every run of the smallest scale trains with
 `seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
-/ reverses / hurts / unresolved) are tenx.scaling.derisk's, per decade of training compute.
+/ reverses / hurts / unresolved) are tenx.scaling.derisk.compute's, per decade of training compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
-from tenx.scaling.derisk import DeriskConfig, format_multiplier, prepare_stack, verdict
-from tenx.scaling.ladder import config_key, format_dry_run, load_base, run_planned
-from tenx.scaling.rungs import PlannedRun, plan_ladder
-from tenx.utils.io import atomic_write_json, atomic_write_png, atomic_write_text
+from tenx.scaling.derisk.compute import DeriskConfig, format_multiplier, prepare_stack, verdict
+from tenx.scaling.derisk.study import run_study
+from tenx.scaling.ladder.run import config_key, format_dry_run, load_base
+from tenx.scaling.ladder.rungs import PlannedRun, plan_ladder
+from tenx.utils.io import atomic_write_png
 
 SHOWN = (0.01, 100.0)
 """The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
@@ -523,27 +523,21 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         for warning in plan_warnings(planned):
             print(f"WARNING: {warning}")
         return {}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "derisk_config.json", dataclasses.asdict(dc))
-    t0 = time.perf_counter()
-    found: dict[int, dict[str, Any]] = {}
     runs = [p.run for p in planned]
-    for i, row in run_planned(runs, out / "ladder", dc.ladder, splits=("heldout",)):  # what the law reads
-        state = "reused" if row.get("reused") else f"{row['wall_s']:.0f} s"
-        print(
-            f"[{i + 1}/{len(planned)}] {runs[i].name}: {row['epochs']:.3g} epochs, held-out "
-            f"{row['heldout_loss']:.4f} nats/token ({state})",
-            flush=True,
-        )
-        found[i] = {**row, "budget": planned[i].scale}
-    baseline = [found[i] for i, p in enumerate(planned) if p.stage == "baseline"]
-    changes = {c.name: [found[i] for i, p in enumerate(planned) if p.stage == c.name] for c in dc.change}
-    result = analyse_data(baseline, changes, dc)
-    result["wall_s"] = time.perf_counter() - t0
-    atomic_write_json(out / "derisk.json", result)
-    report = format_data_derisk(result)
-    png = plot_data_report(result, out / "report.png")
-    atomic_write_text(out / "report.md", report + f"\n![multipliers]({png.name})\n")
-    print(report)
-    print(f"report: {out / 'report.md'}  plot: {png}  numbers: {out / 'derisk.json'}")
-    return result
+
+    def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        found = {i: {**row, "budget": planned[i].scale} for i, row in rows.items()}
+        baseline = [found[i] for i, p in enumerate(planned) if p.stage == "baseline"]
+        changes = {c.name: [found[i] for i, p in enumerate(planned) if p.stage == c.name] for c in dc.change}
+        return analyse_data(baseline, changes, dc)
+
+    return run_study(
+        dc,
+        out,
+        runs,
+        describe=lambda row: f"{row['epochs']:.3g} epochs, held-out {row['heldout_loss']:.4f} nats/token",
+        analyse=analysed,
+        report=format_data_derisk,
+        plot=plot_data_report,
+        splits=("heldout",),  # what the law reads
+    )

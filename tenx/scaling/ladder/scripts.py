@@ -13,7 +13,7 @@ from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import TenxError
 from tenx.launch.slurm import SlurmJob, job_script
-from tenx.scaling.rungs import PlannedRun
+from tenx.scaling.ladder.rungs import PlannedRun
 from tenx.utils.io import FILE_MODE, atomic_write_text
 
 
