@@ -23,6 +23,7 @@ from tenx.data.manifest import (
 )
 from tenx.errors import ConfigError, DataError
 from tenx.utils.io import atomic_write_text, bytes_xxhash
+from tenx.utils.text import first_line
 
 EOT_TEXT = "<|endoftext|>"
 """How the end-of-document token is spelled when ids are decoded to text."""
@@ -144,7 +145,7 @@ class BPETokenizer(Tokenizer):
                 f"{where} {pattern[:200]!r}" for where, pattern in tokenizer_regexes(self._hf.to_str())
             )
             raise DataError(
-                f"{self.source}: the tokenizer panicked while {doing} ({type(e).__name__}: {_first_line(e)})"
+                f"{self.source}: the tokenizer panicked while {doing} ({type(e).__name__}: {first_line(e, 200)})"
                 + (f"; its regexes: {patterns}" if patterns else "")
             ) from None
 
@@ -259,7 +260,7 @@ def load_tokenizer(data_dir: str | Path, entry: dict[str, Any] | None = None) ->
             hf = HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # UnicodeDecodeError, or the plain Exception `tokenizers` raises on bad JSON
             raise DataError(
-                f"tokenizer file {path} is not a Hugging Face tokenizer ({_first_line(e)}); "
+                f"tokenizer file {path} is not a Hugging Face tokenizer ({first_line(e, 200)}); "
                 "re-run `tenx data prepare`"
             ) from None
         check_tokenizer_regexes(hf, path)
@@ -283,7 +284,7 @@ def load_hf_tokenizer(hf_dir: str | Path) -> BPETokenizer:
     try:
         hf = HFTokenizer.from_str(path.read_bytes().decode("utf-8"))
     except Exception as e:  # OSError, UnicodeDecodeError, or the plain Exception `tokenizers` raises
-        raise DataError(f"{path} is not a Hugging Face tokenizer ({_first_line(e)})") from None
+        raise DataError(f"{path} is not a Hugging Face tokenizer ({first_line(e, 200)})") from None
     check_tokenizer_regexes(hf, path)
     kind = type(hf.model).__name__
     if kind != "BPE":
@@ -354,8 +355,3 @@ def check_round_trip(
             "tokens decode to, so a tokenizer that changes the text (a lowercasing, NFKC or replacing "
             "normalizer) would score another text: use one whose decode(encode(text)) is the text"
         )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:200]

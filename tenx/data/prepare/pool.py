@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from tenx.errors import DataError
+from tenx.utils.text import first_line
 
 
 def ordered_map(
@@ -87,11 +88,6 @@ def _guarded_call(fn: Callable[[Any], Any], item: Any) -> Any:
         raise DataError(
             f"a `tenx data prepare` worker failed ({type(e).__name__}: {first_line(e)})"
         ) from None
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:300]
 
 
 _POLL_S = 1.0

@@ -40,9 +40,10 @@ import xxhash
 from tqdm import tqdm
 
 from tenx.data.manifest import INDEX_DTYPE
-from tenx.data.prepare.pool import first_line, ordered_map
+from tenx.data.prepare.pool import ordered_map
 from tenx.errors import DataError
 from tenx.utils.io import AtomicOutput, atomic_write_bytes, atomic_write_json, bytes_xxhash
+from tenx.utils.text import first_line
 
 WORK_DIR = ".prepare-work"
 ROW = np.dtype([("seq", "<u8"), ("num_bytes", "<u8"), ("digest", "V16")])
