@@ -381,10 +381,11 @@ def test_cli_data_mode_end_to_end_writes_the_report(tiny_data, tmp_path, capsys)
 def test_a_bootstrap_fit_whose_coefficient_underflowed_still_fits_r_star():
     """A resample can drive A (or B, E) to exp(-800) = 0.0; its term then vanishes instead of raising
     'math domain error' (the data-efficiency study crashed on exactly that)."""
-    from tenx.scaling.fit.laws import _fit_r_star
+    from tenx.scaling.fit.laws import _R_STAR_GRID, _fit_decays
 
     N, D, U = np.array([1e5, 1e6, 1e6]), np.array([1e6, 4e6, 4e6]), np.array([1e5, 1e6, 4e6])
     logL = np.log(np.array([2.2, 2.0, 1.9]))
+    log_starts = np.array([[math.log(start)] for start in _R_STAR_GRID])
     for base in ([1.0, 0.0, 100.0, 0.3, 0.3], [1.0, 50.0, 0.0, 0.3, 0.3], [0.0, 50.0, 100.0, 0.3, 0.3]):
-        r_star = _fit_r_star(np.array(base), N, D, U, logL, 1e-3)
+        r_star = math.exp(_fit_decays(np.array(base), N, D, U, logL, 1e-3, log_starts)[0])
         assert math.isfinite(r_star) and r_star > 0

@@ -479,20 +479,6 @@ def _fit_decays(
     return np.asarray(best_x, dtype=float)
 
 
-def _fit_r_star(
-    base: np.ndarray,
-    N: np.ndarray,
-    D: np.ndarray,
-    U: np.ndarray,
-    logL: np.ndarray,
-    delta: float,
-    starts: Sequence[float] = _R_STAR_GRID,
-) -> float:
-    """R*_D alone (no R*_N term): `_fit_decays` from each of the R*_D values `starts`."""
-    log_starts = np.array([[math.log(start)] for start in starts])
-    return math.exp(float(_fit_decays(base, N, D, U, logL, delta, log_starts)[0]))
-
-
 @with_serial_blas
 def data_constrained_shortfall(N: Any, D: Any, U: Any) -> str | None:
     """Why L(N, D, U) cannot be fitted to runs of N parameters, D tokens and U unique tokens (arrays), or
@@ -547,8 +533,6 @@ def fit_data_constrained(
         theta = optimise(problem, starts)[1]
         base = law.natural(theta)
         runs = (base, a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta)
-        if not cfg.excess_params:
-            return np.append(base, _fit_r_star(*runs, r_starts[:, 0].tolist()))
         log_starts = np.array([[math.log(r) for r in row] for row in r_starts])
         return np.append(base, [math.exp(x) for x in _fit_decays(*runs, log_starts)])
 
