@@ -52,7 +52,7 @@ from tenx.scaling.ladder.rungs import (
     plan_ladder,
     shape_for_depth,
 )
-from tenx.scaling.ladder.scripts import emit_launch, launch_files, write_launch_files
+from tenx.scaling.ladder.scripts import launch_files, write_launch_files
 from tenx.train.config import RunConfig, load_run_config
 from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir, read_jsonl
@@ -66,7 +66,6 @@ __all__ = [
     "PlannedRun",
     "append_result",
     "config_key",
-    "emit_launch",
     "ensure_data",
     "estimate_seconds",
     "evaluate_run",

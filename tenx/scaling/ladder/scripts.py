@@ -16,26 +16,8 @@ from tenx.launch.slurm import SlurmJob, job_script
 from tenx.scaling.ladder.rungs import PlannedRun
 from tenx.utils.io import FILE_MODE, atomic_write_text
 
-
-def emit_launch(
-    plan: list[PlannedRun],
-    ladder_dir: str | Path,
-    how: Literal["torchrun", "slurm"],
-    collect: str,
-    nproc: int = 8,
-    nodes: int = 1,
-) -> list[Path]:
-    """Write each run's config and the commands that train them on a cluster; returns the scripts.
-
-    The last command, `collect`, is this ladder's own command without --emit: it finds the finished
-    runs, evaluates them and writes results.jsonl. Everything is checked (launch_files) before anything is
-    written, so a refusal leaves `ladder_dir` as it was.
-    """
-    return write_launch_files(launch_files(plan, ladder_dir, how, collect, nproc, nodes))
-
-
 LaunchFile = tuple[Path, str, int, bool]
-"""A file emit_launch writes: its path, its text, its mode, and whether it is a launch script."""
+"""A file of a ladder's launch: its path, its text, its mode, and whether it is a launch script."""
 
 
 def write_launch_files(files: list[LaunchFile]) -> list[Path]:
@@ -54,8 +36,10 @@ def launch_files(
     nproc: int = 8,
     nodes: int = 1,
 ) -> list[LaunchFile]:
-    """Every file emit_launch writes, built and checked in memory: each run's config, then the scripts.
-    Raises TenxError on what emit refuses, before anything is written."""
+    """Every file that trains the runs of `plan` on a cluster, built and checked in memory: each run's config,
+    then the scripts (`write_launch_files` writes them). The last command, `collect`, is this ladder's own
+    command without --emit: it finds the finished runs, evaluates them and writes results.jsonl. Raises
+    TenxError on what emit refuses, before anything is written, so a refusal leaves `ladder_dir` as it was."""
     ladder_dir = Path(ladder_dir)
     for value, flag in ((nproc, "--nproc"), (nodes, "--nodes")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
