@@ -175,21 +175,23 @@ def document_nll(
     )
 
 
+def _part(docs: list[Document], nll: np.ndarray, idx: list[int]) -> dict[str, Any]:
+    """The figures of the documents `idx` (each with its end-of-document token) and their count."""
+    return {
+        **summarize(
+            float(nll[idx].sum()),
+            int(sum(len(docs[i].tokens) + 1 for i in idx)),
+            int(sum(docs[i].num_bytes for i in idx)),
+        ),
+        "documents": len(idx),
+    }
+
+
 def _group(docs: list[Document], nll: np.ndarray, key: Callable[[str], str]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[int]] = {}
     for i, doc in enumerate(docs):
         groups.setdefault(key(doc.name), []).append(i)
-    return {
-        name: {
-            **summarize(
-                float(nll[idx].sum()),
-                int(sum(len(docs[i].tokens) + 1 for i in idx)),
-                int(sum(docs[i].num_bytes for i in idx)),
-            ),
-            "documents": len(idx),
-        }
-        for name, idx in sorted(groups.items())
-    }
+    return {name: _part(docs, nll, idx) for name, idx in sorted(groups.items())}
 
 
 def by_directory(name: str, depth: int = 1) -> str:
@@ -204,32 +206,19 @@ def by_extension(name: str) -> str:
 
 
 def score_documents(
-    model: Transformer,
     docs: list[Document],
-    eot_id: int,
-    batch_size: int,
+    nll: np.ndarray,
     *,
-    stride: int | None,
-    amp_dtype: torch.dtype,
     contaminated: np.ndarray | None = None,
     breakdown: bool = False,
     languages: bool = False,
 ) -> dict[str, Any]:
-    """The dataset's figures (as eval_texts gives them), plus the clean part and breakdowns when asked
-    (`languages`: also by language, for the files of a directory)."""
-    nll = document_nll(model, docs, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
+    """The dataset's figures (as eval_texts gives them) from each document's NLL (`document_nll`), plus the
+    clean part and breakdowns when asked (`languages`: also by language, for the files of a directory)."""
     tokens = int(sum(len(d.tokens) + 1 for d in docs))
     result = summarize(float(nll.sum()), tokens, int(sum(d.num_bytes for d in docs)))
     if contaminated is not None:
-        clean = [i for i in range(len(docs)) if not contaminated[i]]
-        result["clean"] = {
-            **summarize(
-                float(nll[clean].sum()),
-                int(sum(len(docs[i].tokens) + 1 for i in clean)),
-                int(sum(docs[i].num_bytes for i in clean)),
-            ),
-            "documents": len(clean),
-        }
+        result["clean"] = _part(docs, nll, [i for i in range(len(docs)) if not contaminated[i]])
     if breakdown:
         result["by_directory"] = _group(docs, nll, by_directory)
         result["by_file_type"] = _group(docs, nll, by_extension)

@@ -169,6 +169,7 @@ def _by_document(
     from tenx.eval.documents import (
         codebase_documents,
         contamination_report,
+        document_nll,
         score_documents,
         source_documents,
         split_documents,
@@ -189,13 +190,10 @@ def _by_document(
         report = contamination_report(
             data_dir, docs, ngram, DEFAULT_CONTAMINATION_THRESHOLD if threshold is None else threshold
         )
+    nll = document_nll(model, docs, tokenizer.eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
     result = score_documents(
-        model,
         docs,
-        tokenizer.eot_id,
-        batch_size,
-        stride=stride,
-        amp_dtype=amp_dtype,
+        nll,
         contaminated=report.pop("_flags") if report else None,
         breakdown=breakdown or codebase is not None,
         languages=codebase is not None,
