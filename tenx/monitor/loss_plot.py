@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx.monitor.metrics_file import read_metrics
-from tenx.utils.io import atomic_write_png
+from tenx.utils.io import save_png
 
 
 def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
@@ -115,15 +115,9 @@ def plot_curve_predictions(
 
 def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, out_png: str | Path) -> Path:
     """Label, grid and legend the axes, write the figure as a PNG and close it."""
-    import matplotlib.pyplot as plt
-
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    atomic_write_png(out_png, fig)
-    plt.close(fig)
-    return out_png
+    return save_png(fig, out_png)

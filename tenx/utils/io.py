@@ -197,11 +197,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int =
         f.write(data)
 
 
-def atomic_write_png(path: str | os.PathLike[str], figure: Any) -> None:
-    """Atomically write a matplotlib figure as a PNG (a dashboard or reader never sees half an image)."""
+def save_png(figure: Any, path: str | os.PathLike[str]) -> Path:
+    """Lay out a matplotlib figure (tight_layout), write it atomically as a PNG (a dashboard or reader never
+    sees half an image) and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     atomic_write_bytes(path, buffer.getvalue())
+    plt.close(figure)
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int = FILE_MODE) -> None:

@@ -48,7 +48,7 @@ from tenx.errors import ConfigError, TenxError
 from tenx.scaling.derisk.study import run_study
 from tenx.scaling.ladder.run import config_key, ensure_data, format_dry_run, load_base
 from tenx.scaling.ladder.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
-from tenx.utils.io import atomic_write_png
+from tenx.utils.io import save_png
 
 Z95 = 1.959963984540054
 
@@ -511,11 +511,7 @@ def plot_report(result: dict[str, Any], out_png: str | Path) -> Path:
     _label_axes(
         ax2, "effective compute multiplier (marginal)", "gain of each change, extrapolated to the target"
     )
-    fig.tight_layout()
-    out_png = Path(out_png)
-    atomic_write_png(out_png, fig)
-    plt.close(fig)
-    return out_png
+    return save_png(fig, out_png)
 
 
 # ----- the whole study -------------------------------------------------------------------------------

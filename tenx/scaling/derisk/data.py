@@ -48,7 +48,7 @@ from tenx.scaling.derisk.compute import DeriskConfig, format_multiplier, prepare
 from tenx.scaling.derisk.study import run_study
 from tenx.scaling.ladder.run import config_key, format_dry_run, load_base
 from tenx.scaling.ladder.rungs import PlannedRun, plan_ladder
-from tenx.utils.io import atomic_write_png
+from tenx.utils.io import save_png
 
 SHOWN = (0.01, 100.0)
 """The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
@@ -503,11 +503,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")
     ax2.grid(alpha=0.3, which="both")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    atomic_write_png(out_png, fig)
-    plt.close(fig)
-    return out_png
+    return save_png(fig, out_png)
 
 
 # ----- the whole study -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tenx.scaling.fit.frontier import best_per_budget, compute_optimal
-from tenx.utils.io import atomic_write_png
+from tenx.utils.io import save_png
 
 if TYPE_CHECKING:
     from tenx.scaling.fit.laws import FitResult
@@ -187,8 +187,4 @@ def plot_fit(
             ax.set_title(f"extrapolation to the target C={c_t:.3g}")
     if far:
         fig.suptitle(title or f"{fit.law} fit")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    atomic_write_png(out_png, fig)
-    plt.close(fig)
-    return out_png
+    return save_png(fig, out_png)
