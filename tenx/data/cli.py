@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from tenx.config import add_config_arguments, config_from_args
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import Command, command_group
 
 PREPARE_FLAGS: tuple[str, ...] = (
     "source",
@@ -113,14 +113,12 @@ def _index_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _data_commands(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="data_command", required=True)
-    about = "corpus -> tokenizer -> shards + manifest, split by document"
-    subcommand(sub, "prepare", about, cmd_data_prepare, _prepare_arguments)
-    about = "hashed n-grams of the train split, for decontamination"
-    subcommand(sub, "index", about, cmd_data_index, _index_arguments)
-
-
 def register(subparsers: Any) -> None:
     """Register `tenx data` and its subcommands (`prepare`, `index`) on the CLI's subparsers."""
-    subcommand(subparsers, "data", "prepare corpora", None, _data_commands)
+    prepare = "corpus -> tokenizer -> shards + manifest, split by document"
+    index = "hashed n-grams of the train split, for decontamination"
+    commands: list[Command] = [
+        ("prepare", prepare, cmd_data_prepare, _prepare_arguments),
+        ("index", index, cmd_data_index, _index_arguments),
+    ]
+    command_group(subparsers, "data", "prepare corpora", commands)

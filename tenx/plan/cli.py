@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from tenx.utils.cli import above, add_set, at_least, subcommand
+from tenx.utils.cli import Command, above, add_set, add_subcommands, at_least, subcommand
 from tenx.utils.text import counted
 
 MAX_MEASURE_STEPS = 1000
@@ -77,13 +77,15 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", help="also write the plan as JSON here (a new file, unless --force)")
     parser.add_argument("--force", action="store_true", help="--json: replace an existing file")
-    sub = parser.add_subparsers(dest="plan_command")
-    about = "measure the run's GEMM shapes and nearby faster ones"
-    subcommand(sub, "shapes", about, cmd_shapes, _shapes_arguments)
-    about = "failures at scale: MTBF, checkpoint interval, goodput"
-    subcommand(sub, "failures", about, cmd_failures, _failures_arguments)
-    about = "rank (N, D, parallelism) for a compute budget by predicted loss"
-    subcommand(sub, "choose", about, cmd_choose, _choose_arguments)
+    shapes = "measure the run's GEMM shapes and nearby faster ones"
+    failures = "failures at scale: MTBF, checkpoint interval, goodput"
+    choose = "rank (N, D, parallelism) for a compute budget by predicted loss"
+    commands: list[Command] = [
+        ("shapes", shapes, cmd_shapes, _shapes_arguments),
+        ("failures", failures, cmd_failures, _failures_arguments),
+        ("choose", choose, cmd_choose, _choose_arguments),
+    ]
+    add_subcommands(parser, "plan_command", commands, required=False)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

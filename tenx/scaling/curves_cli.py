@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tenx.utils.cli import above, subcommand
+from tenx.utils.cli import Command, above, command_group
 from tenx.utils.text import counted
 
 SIZE_FLAGS = ("params", "tokens_per_step")
@@ -190,14 +190,12 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", action="store_true", help="also list each run")
 
 
-def _curves_commands(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="curves_command", required=True)
-    about = "write a curve table from a tenx run or ladder, a TensorBoard log or a W&B CSV export"
-    subcommand(sub, "convert", about, cmd_curves_convert, _convert_arguments)
-    about = "read curve tables as the curve laws will and print their runs and rows per split"
-    subcommand(sub, "check", about, cmd_curves_check, _check_arguments)
-
-
 def register(subparsers: Any) -> None:
     """Register `tenx curves` and its subcommands (`convert`, `check`) on the CLI's subparsers."""
-    subcommand(subparsers, "curves", "loss-curve tables from any trainer's logs", None, _curves_commands)
+    convert = "write a curve table from a tenx run or ladder, a TensorBoard log or a W&B CSV export"
+    check = "read curve tables as the curve laws will and print their runs and rows per split"
+    commands: list[Command] = [
+        ("convert", convert, cmd_curves_convert, _convert_arguments),
+        ("check", check, cmd_curves_check, _check_arguments),
+    ]
+    command_group(subparsers, "curves", "loss-curve tables from any trainer's logs", commands)

@@ -92,6 +92,26 @@ def subcommand(
     return parser
 
 
+Command = tuple[str, str, Callable[[argparse.Namespace], Any], AddArguments]
+"""A subcommand as `subcommand` takes it: its name, its help, the function it runs and what adds its flags."""
+
+
+def add_subcommands(
+    parser: argparse.ArgumentParser, dest: str, commands: list[Command], *, required: bool = True
+) -> None:
+    """Give `parser` the subcommands `commands` (`tenx plan shapes`, `tenx plan failures`), each registered by
+    `subcommand`; the name of the one given lands in `args.<dest>` (None when not `required` and none is)."""
+    sub = parser.add_subparsers(dest=dest, required=required)
+    for name, about, func, add_arguments in commands:
+        subcommand(sub, name, about, func, add_arguments)
+
+
+def command_group(subparsers: Any, name: str, about: str, commands: list[Command]) -> None:
+    """Register `name` as a group of subcommands and nothing of its own (`tenx data prepare`, `tenx data
+    index`); the subcommand given lands in `args.<name>_command`."""
+    subcommand(subparsers, name, about, None, lambda p: add_subcommands(p, f"{name}_command", commands))
+
+
 def add_set(parser: argparse.ArgumentParser, help: str) -> None:
     """The repeatable `--set SECTION.KEY=VALUE` override."""
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
