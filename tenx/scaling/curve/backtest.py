@@ -170,28 +170,18 @@ def benchmark(
     by_name = {c.name: c for c in curves}
     splits = protocol(curves)
     out: dict[str, Any] = {"protocol": splits, "window": window, "laws": {}}
+
+    def error(law: str, split: dict[str, list[str]], **options: Any) -> dict[str, Any]:
+        """`split_error` of `law` on a split of the protocol (curve names: train, test)."""
+        train, test = ([by_name[n] for n in split[part]] for part in ("train", "test"))
+        return split_error(law, train, test, window, bootstrap=bootstrap, **options)
+
     for law in laws:
-        cross = [
-            split_error(
-                law,
-                [by_name[n] for n in s["train"]],
-                [by_name[n] for n in s["test"]],
-                window,
-                bootstrap=bootstrap,
-            )
-            for s in splits["cross_schedule"]
-        ]
+        cross = [error(law, s) for s in splits["cross_schedule"]]
         lo = splits["leave_largest_out"]
         sizes = len({by_name[n].params for n in lo["train"]})
         largest = (
-            split_error(
-                law,
-                [by_name[n] for n in lo["train"]],
-                [by_name[n] for n in lo["test"]],
-                window,
-                bootstrap=bootstrap,
-                size_law="power",
-            )
+            error(law, lo, size_law="power")
             if sizes >= 3
             else {"skipped": f"{sizes} sizes below the largest; the size law needs 3"}
         )
