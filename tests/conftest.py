@@ -84,6 +84,46 @@ def tiny_config():
 
 
 @pytest.fixture(scope="session")
+def crash_at():
+    """A class: `crash_at(step)` is a callback that fails the run after `step` (a crash to resume from)."""
+    from tenx.train.hooks import Callback
+
+    class CrashAt(Callback):
+        name = "crash"
+
+        def __init__(self, at: int) -> None:
+            self.at = at
+
+        def on_step_end(self, trainer, metrics) -> None:
+            if trainer.step == self.at:
+                raise RuntimeError("simulated crash")
+
+    return CrashAt
+
+
+@pytest.fixture(scope="session")
+def small_ladder():
+    """A function: the LadderConfig of a small isoflop ladder (two budgets, two sizes each, one seed) that
+    trains on the tiny data in seconds, with `changes` to its fields."""
+    from tenx.scaling.ladder.run import LadderConfig
+
+    def make(**changes):
+        return LadderConfig(
+            **{
+                "budgets": [2e10, 5e10],
+                "grid": "isoflop",
+                "sizes": 2,
+                "min_tokens_per_param": 0,
+                "noise_seeds": 1,
+                "min_steps": 20,
+                **changes,
+            }
+        )
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_corpus_multishard(corpus_dir, tmp_path_factory) -> Path:
     """The tiny corpus with small shards, so the training split spans several files."""
     out = tmp_path_factory.mktemp("data") / "multishard"

@@ -76,13 +76,9 @@ def tokenizer():
     return train_bpe(TOKENIZER_TEXTS, 300)
 
 
-@pytest.fixture(scope="module")
-def hf_data(corpus_dir, tokenizer, tmp_path_factory):
-    """The tiny corpus prepared through the CLI with --tokenizer-from a model directory's tokenizer.json."""
-    tok_dir = tmp_path_factory.mktemp("hf-tok")
-    (tok_dir / BPE_FILE).write_text(tokenizer.to_json())
-    out = tmp_path_factory.mktemp("hf-data") / "data"
-    argv = [
+def _prepare_from(corpus_dir, out, tokenizer_dir) -> list[str]:
+    """`tenx data prepare` of the corpus into `out` with the tokenizer.json of a model directory."""
+    return [
         "data",
         "prepare",
         "--source",
@@ -90,8 +86,17 @@ def hf_data(corpus_dir, tokenizer, tmp_path_factory):
         "--out",
         str(out),
         "--tokenizer-from",
-        str(tok_dir),
+        str(tokenizer_dir),
     ]
+
+
+@pytest.fixture(scope="module")
+def hf_data(corpus_dir, tokenizer, tmp_path_factory):
+    """The tiny corpus prepared through the CLI with --tokenizer-from a model directory's tokenizer.json."""
+    tok_dir = tmp_path_factory.mktemp("hf-tok")
+    (tok_dir / BPE_FILE).write_text(tokenizer.to_json())
+    out = tmp_path_factory.mktemp("hf-data") / "data"
+    argv = _prepare_from(corpus_dir, out, tok_dir)
     assert main([*argv, "--val-ratio", "0.1", "--heldout-ratio", "0.1", "--quiet"]) == 0
     return out
 
@@ -272,16 +277,7 @@ def test_import_train_export_round_trip(hf_data, tokenizer, tmp_path, capsys):
 
 def test_prepare_refuses_a_directory_without_tokenizer_before_reading(corpus_dir, tmp_path, capsys):
     out = tmp_path / "data"
-    argv = [
-        "data",
-        "prepare",
-        "--source",
-        str(corpus_dir),
-        "--out",
-        str(out),
-        "--tokenizer-from",
-        str(tmp_path),
-    ]
+    argv = _prepare_from(corpus_dir, out, tmp_path)
     assert main(argv) != 0
     assert f"{tmp_path / BPE_FILE} is missing" in capsys.readouterr().err
     assert not out.exists()

@@ -230,25 +230,26 @@ def test_a_long_file_is_encoded_in_pieces_with_the_same_tokens(monkeypatch):
     assert tokenizer.decode(ids) == text
 
 
+LINE = "x = compute(1, 2)  # a line of code\n"
+
+
+def _eval_one_big_file(tiny_run, tmp_path, lines: int) -> tuple[Path, list[str]]:
+    """A directory holding one file of `lines` LINEs, and the `tenx eval` argv (bar threads and batch size)
+    that scores it without a file size limit into tmp_path/e.json."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "big.py").write_text(LINE * lines)
+    out = str(tmp_path / "e.json")
+    return code, ["eval", str(tiny_run), "--split", str(code), "--max-file-bytes", "0", "--out", out]
+
+
 def test_a_long_evaluation_prints_progress(tiny_run, tmp_path, monkeypatch, capsys):
     """`--max-file-bytes 0` on a large file: minutes of scoring on a CPU now say how far they got (a line
     every PROGRESS_S where stderr is a log; here every batch)."""
     from tenx.eval import bpb
 
     monkeypatch.setattr(bpb, "PROGRESS_S", 0.0)
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "big.py").write_text("x = compute(1, 2)  # a line of code\n" * 3000)  # 108 KB
-    argv = [
-        "eval",
-        str(tiny_run),
-        "--split",
-        str(code),
-        "--max-file-bytes",
-        "0",
-        "--out",
-        str(tmp_path / "e.json"),
-    ]
+    code, argv = _eval_one_big_file(tiny_run, tmp_path, 3000)  # 108 KB
     assert main([*argv, "--threads", "1", "--batch-size", "64"]) == 0
     err = capsys.readouterr().err
     assert "tenx eval: " in err and "batches of 108,001 tokens scored" in err
@@ -263,20 +264,7 @@ def test_a_50_mb_file_stays_under_4_gb(tiny_run, tmp_path):
     import subprocess
     import sys
 
-    code = tmp_path / "code"
-    code.mkdir()
-    line = "x = compute(1, 2)  # a line of code\n"
-    (code / "big.py").write_text(line * (50_000_000 // len(line)))
-    argv = [
-        "eval",
-        str(tiny_run),
-        "--split",
-        str(code),
-        "--max-file-bytes",
-        "0",
-        "--out",
-        str(tmp_path / "e.json"),
-    ]
+    _, argv = _eval_one_big_file(tiny_run, tmp_path, 50_000_000 // len(LINE))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tenx", *argv, "--threads", "1", "--batch-size", "64"],

@@ -99,17 +99,11 @@ def test_bad_budgets_are_clear_errors(tiny_config, tiny_data):
         LadderConfig(min_depth=3, max_depth=2).validate()
 
 
-def test_ladder_runs_once_resumes_a_crash_and_records_every_field(tiny_config, tiny_data, tmp_path):
+def test_ladder_runs_once_resumes_a_crash_and_records_every_field(
+    tiny_config, tiny_data, tmp_path, small_ladder
+):
     base = _base(tiny_config, tiny_data, "checkpoint.async_save=false")
-    lc = LadderConfig(
-        budgets=[2e10, 5e10],
-        grid="isoflop",
-        sizes=2,
-        min_tokens_per_param=0,
-        noise_seeds=1,
-        min_steps=20,
-        eval_bytes=30000,
-    )
+    lc = small_ladder(eval_bytes=30000)
     rows = run_ladder(base, lc, tmp_path / "lad")
     assert len(rows) == 4
     table = read_results(tmp_path / "lad")
@@ -235,12 +229,9 @@ def test_a_ladder_run_says_how_far_it_is_while_it_trains(capsys):
     assert [line.split("|")[0].split()[-1] for line in lines] == ["1/100", "31/100", "61/100", "91/100"]
 
 
-def test_the_ladder_estimate_adds_up_from_step_times_and_overheads(tiny_config, tiny_data):
+def test_the_ladder_estimate_adds_up_from_step_times_and_overheads(tiny_config, tiny_data, small_ladder):
     base = _base(tiny_config, tiny_data)
-    lc = LadderConfig(
-        budgets=[2e10, 5e10], grid="isoflop", sizes=2, min_tokens_per_param=0, noise_seeds=1, min_steps=20
-    )
-    lc.eval_bytes = 30000
+    lc = small_ladder(eval_bytes=30000)
     plan = plan_ladder(base, lc)
     asked = []
 

@@ -9,32 +9,28 @@ import pytest
 from tenx.cli import build_parser, main
 from tenx.errors import ConfigError
 from tenx.scaling.ladder.estimate import workers_seconds
-from tenx.scaling.ladder.run import LadderConfig, plan_ladder, read_results, run_ladder, slot_config
+from tenx.scaling.ladder.run import plan_ladder, read_results, run_ladder, slot_config
 
 
-def _lc(workers: int) -> LadderConfig:
-    return LadderConfig(
-        budgets=[2e10, 5e10],
-        grid="isoflop",
-        sizes=2,
-        min_tokens_per_param=0,
-        noise_seeds=1,
-        min_steps=20,
-        eval_bytes=20000,
-        evals_per_run=0,
-        workers=workers,
-    )
+@pytest.fixture
+def ladder(small_ladder):
+    """`ladder(workers)`: the small ladder, no evaluation during a run, trained `workers` at a time."""
+    return lambda workers: small_ladder(eval_bytes=20000, evals_per_run=0, workers=workers)
 
 
-def test_two_workers_train_the_same_numbers_side_by_side(tiny_config, tiny_data, tmp_path):
+def test_two_workers_train_the_same_numbers_side_by_side(tiny_config, tiny_data, ladder, tmp_path):
     """Two at a time on one thread each: every row equals, bit for bit, the one-at-a-time run on one thread;
     the runs overlapped in time; this process wrote every row once."""
     base = tiny_config(tiny_data, "train.micro_batch=8", "checkpoint.async_save=false")
     one = run_ladder(
-        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=1)), _lc(1), tmp_path / "one"
+        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=1)),
+        ladder(1),
+        tmp_path / "one",
     )
     two = run_ladder(
-        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=2)), _lc(2), tmp_path / "two"
+        dataclasses.replace(base, train=dataclasses.replace(base.train, threads=2)),
+        ladder(2),
+        tmp_path / "two",
     )
     assert [r["name"] for r in two] == [r["name"] for r in one] and len(two) == 4
     for a, b in zip(one, two, strict=True):
@@ -48,13 +44,13 @@ def test_two_workers_train_the_same_numbers_side_by_side(tiny_config, tiny_data,
     spans = sorted((r["time"] - r["wall_s"], r["time"]) for r in two)
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
     assert sorted(r["name"] for r in read_results(tmp_path / "two")) == sorted(r["name"] for r in two)
-    again = run_ladder(base, _lc(2), tmp_path / "two")  # nothing trains again
+    again = run_ladder(base, ladder(2), tmp_path / "two")  # nothing trains again
     assert all(r.get("reused") for r in again)
 
 
-def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_data, monkeypatch):
+def test_a_slot_is_a_share_of_the_threads_or_a_gpu_of_its_own(tiny_config, tiny_data, ladder, monkeypatch):
     base = tiny_config(tiny_data, "train.micro_batch=8", "train.threads=4")
-    run = plan_ladder(base, _lc(2))[0]
+    run = plan_ladder(base, ladder(2))[0]
     assert slot_config(run, 1, 1) is run
     assert slot_config(run, 1, 2).config.train.threads == 2
     assert slot_config(run, 0, 8).config.train.threads == 1  # never below one
@@ -87,11 +83,11 @@ def test_workers_is_a_flag_of_ladder_and_derisk():
 
 
 def test_the_dry_run_estimates_the_plan_as_the_workers_will_train_it(
-    tiny_config, tiny_data, tmp_path, capsys
+    tiny_config, tiny_data, ladder, tmp_path, capsys
 ):
     """Each run timed on its worker's share of the threads; the plan's wall time is the schedule's, costliest
     first onto the first free worker (run_planned's order), not the sum of its runs."""
-    plan = plan_ladder(tiny_config(tiny_data, "train.micro_batch=8"), _lc(2))
+    plan = plan_ladder(tiny_config(tiny_data, "train.micro_batch=8"), ladder(2))
     seconds = {r.name: float(i + 1) for i, r in enumerate(sorted(plan, key=lambda r: -r.flops))}  # 1, 2, 3, 4
     assert workers_seconds(plan, seconds, 1) == 10.0
     assert workers_seconds(plan, seconds, 2) == 6.0  # 1 then 3 on one worker; 2 then 4 on the other: 4, 6

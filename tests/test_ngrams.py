@@ -129,6 +129,24 @@ def test_near_duplicate_groups_at_any_threshold(threshold: float, groups: list[l
     assert find_near_duplicates(texts, threshold) == groups
 
 
+def _corpus(tmp_path: Path, seed: int, **options) -> tuple[random.Random, list[str], PrepareConfig]:
+    """A seeded random generator, its vocabulary of 3000 random words, and the config that prepares
+    tmp_path/corpus into tmp_path/data (bytes; 10% validation, 30% held out; `options` besides)."""
+    rng = random.Random(seed)
+    vocabulary = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(3000)
+    ]
+    cfg = PrepareConfig(
+        source=str(tmp_path / "corpus"),
+        out=str(tmp_path / "data"),
+        tokenizer="bytes",
+        val_ratio=0.1,
+        heldout_ratio=0.3,
+        **options,
+    )
+    return rng, vocabulary, cfg
+
+
 def _words(rng: random.Random, vocabulary: list[str], lines: int) -> str:
     return "".join(" ".join(rng.choices(vocabulary, k=8)) + "\n" for _ in range(lines))
 
@@ -147,17 +165,7 @@ def _split_apart_dirs(name: str, cfg: PrepareConfig) -> tuple[str, str]:
 
 
 def test_near_duplicates_share_a_split(tmp_path: Path) -> None:
-    rng = random.Random(0)
-    vocabulary = [
-        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(3000)
-    ]
-    cfg = PrepareConfig(
-        source=str(tmp_path / "corpus"),
-        out=str(tmp_path / "data"),
-        tokenizer="bytes",
-        val_ratio=0.1,
-        heldout_ratio=0.3,
-    )
+    rng, vocabulary, cfg = _corpus(tmp_path, 0)
     files = {f"solo/doc{i}.py": _words(rng, vocabulary, 40) for i in range(24)}
     pairs = []
     for k, edit in enumerate(("header", "whitespace")):
@@ -294,18 +302,7 @@ def test_stale_and_corrupt_index_errors_name_the_file(tmp_path: Path, tiny_data:
 
 
 def test_decontamination_moves_partial_copies_until_none_exceeds(tmp_path: Path) -> None:
-    rng = random.Random(1)
-    vocabulary = [
-        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(3000)
-    ]
-    cfg = PrepareConfig(
-        source=str(tmp_path / "corpus"),
-        out=str(tmp_path / "data"),
-        tokenizer="bytes",
-        val_ratio=0.1,
-        heldout_ratio=0.3,
-        near_dup_threshold=0.9,
-    )
+    rng, vocabulary, cfg = _corpus(tmp_path, 1, near_dup_threshold=0.9)
     original = _words(rng, vocabulary, 40).splitlines(keepends=True)
     extra = _words(rng, vocabulary, 40).splitlines(keepends=True)
     train_dir, held_dir = _split_apart_dirs("partial.py", cfg)

@@ -90,6 +90,10 @@ def binget(i: int) -> bytes:
     return b"h" + bytes([i])
 
 
+# BUILD with the state (None, {"tenx_pwned": "yes"}): sets an attribute on whatever is below it, a class too
+BUILD_PWNED = NONE + EMPTY_DICT + u("tenx_pwned") + u("yes") + SETITEM + TUPLE2 + BUILD
+
+
 class _Evil:
     """pickle.dumps of this is the textbook attack: __reduce__ to os.system."""
 
@@ -307,33 +311,12 @@ def build_corpus(marker: Path, metadata: dcp_md.Metadata) -> list[Entry]:
         ),
         Entry(
             "BUILD_sets_a_class_attribute",
-            P4
-            + sglob(MD, "Metadata")
-            + NONE
-            + EMPTY_DICT
-            + u("tenx_pwned")
-            + u("yes")
-            + SETITEM
-            + TUPLE2
-            + BUILD
-            + STOP,
+            P4 + sglob(MD, "Metadata") + BUILD_PWNED + STOP,
             live=False,
         ),
         Entry(
             "BUILD_on_a_memoized_class",
-            P4
-            + sglob(MD, "StorageMeta")
-            + MEMOIZE
-            + POP
-            + binget(0)
-            + NONE
-            + EMPTY_DICT
-            + u("tenx_pwned")
-            + u("yes")
-            + SETITEM
-            + TUPLE2
-            + BUILD
-            + STOP,
+            P4 + sglob(MD, "StorageMeta") + MEMOIZE + POP + binget(0) + BUILD_PWNED + STOP,
             live=False,
         ),
         Entry(

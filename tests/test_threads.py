@@ -13,7 +13,6 @@ import torch
 
 from tenx import hardware
 from tenx.cli import main
-from tenx.train.hooks import Callback
 from tenx.utils import cpus
 from tenx.utils.cpus import cgroup_cpu_limit, others_busy, read_cpu_times, slurm_cpu_limit, usable_cpu_count
 
@@ -367,19 +366,6 @@ def test_a_training_run_follows_a_program_that_stops_and_replay_takes_its_thread
         torch.set_num_threads(1)
 
 
-class _CrashAt(Callback):
-    """A callback that fails the run after step `at` (a crash to resume from)."""
-
-    name = "crash"
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, trainer, metrics) -> None:
-        if trainer.step == self.at:
-            raise RuntimeError("simulated crash")
-
-
 def _auto(monkeypatch, threads: int) -> None:
     """Auto threads that choose `threads` (the load of this moment), and torch set to it as a run's start."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -388,7 +374,7 @@ def _auto(monkeypatch, threads: int) -> None:
 
 
 def test_a_resume_under_another_load_keeps_the_runs_thread_count_and_matches_bit_for_bit(
-    tiny_data, tiny_config, tmp_path, monkeypatch, capsys
+    tiny_data, tiny_config, tmp_path, monkeypatch, capsys, crash_at
 ):
     """The uninterrupted run chose 2 threads; it crashes after step 7 and resumes (checkpoint at 5) while
     another program keeps a core busy, so this moment's load says 1: the resume takes the checkpoint's 2,
@@ -402,7 +388,7 @@ def test_a_resume_under_another_load_keeps_the_runs_thread_count_and_matches_bit
         _auto(monkeypatch, 2)
         train(tiny_config(tiny_data, *overrides), tmp_path / "straight")
         with pytest.raises(RuntimeError, match="simulated crash"):
-            train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[_CrashAt(7)])
+            train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[crash_at(7)])
         _auto(monkeypatch, 1)  # a busier machine now
         trainer, _ = train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", resume="auto")
         assert torch.get_num_threads() == 2
@@ -418,7 +404,7 @@ def test_a_resume_under_another_load_keeps_the_runs_thread_count_and_matches_bit
 
 
 def test_a_count_given_on_resume_wins_and_the_difference_is_said(
-    tiny_data, tiny_config, tmp_path, monkeypatch, capsys
+    tiny_data, tiny_config, tmp_path, monkeypatch, capsys, crash_at
 ):
     from tenx.monitor.events import read_events
     from tenx.train.run import train
@@ -427,7 +413,7 @@ def test_a_count_given_on_resume_wins_and_the_difference_is_said(
     try:
         _auto(monkeypatch, 2)
         with pytest.raises(RuntimeError, match="simulated crash"):
-            train(tiny_config(tiny_data, *overrides), tmp_path / "run", extra_callbacks=[_CrashAt(4)])
+            train(tiny_config(tiny_data, *overrides), tmp_path / "run", extra_callbacks=[crash_at(4)])
         train(tiny_config(tiny_data, *overrides, "train.threads=1"), tmp_path / "run", resume="auto")
         assert torch.get_num_threads() == 1
         _auto(monkeypatch, 2)

@@ -18,7 +18,6 @@ from tenx.cli import main
 from tenx.errors import CheckpointError, DataError, TenxError
 from tenx.monitor.metrics_file import read_metrics
 from tenx.train.run import train
-from tenx.train.trainer import Callback
 
 
 def test_has_a_pulse(tiny_config, tiny_data, tmp_path):
@@ -195,24 +194,13 @@ def test_eval_and_sample(tiny_config, tiny_data, tmp_path, capsys):
     assert out.startswith("def ") and len(out) > 5
 
 
-class _Crash(Callback):
-    name = "crash"
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, trainer, metrics) -> None:
-        if trainer.step == self.at:
-            raise RuntimeError("simulated crash")
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_exact_resume_in_process(tiny_config, tiny_data, tmp_path, precision):
+def test_exact_resume_in_process(tiny_config, tiny_data, tmp_path, precision, crash_at):
     """A crash after step 7 (checkpoint at 5) and a resume reproduce steps 6-10 bit for bit."""
     overrides = ("train.steps=10", "checkpoint.every=5", f"train.precision={precision}")
     train(tiny_config(tiny_data, *overrides), tmp_path / "straight")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[_Crash(at=7)])
+        train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", extra_callbacks=[crash_at(7)])
     trainer, _ = train(tiny_config(tiny_data, *overrides), tmp_path / "crashed", resume="auto")
     assert trainer.resumed_from is not None and trainer.resumed_from.name == "step_00000005"
     a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
