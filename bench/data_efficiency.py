@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from tenx.scaling.derisk.compute import load_derisk
-from tenx.scaling.derisk.data import point_medians, run_data_derisk
+from tenx.scaling.derisk.compute_multiplier import load_derisk
+from tenx.scaling.derisk.data_multiplier import point_medians, run_data_derisk
 from tenx.scaling.fit import fit_data_constrained
 
 ROOT = Path(__file__).resolve().parents[1]

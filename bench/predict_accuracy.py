@@ -104,8 +104,8 @@ def extra_runs(ladder_dir: Path, out: Path, train_missing: bool) -> list[Curve]:
     import dataclasses
 
     from tenx.model.flops import flops_per_token
-    from tenx.scaling.ladder.run import read_results, run_one
     from tenx.scaling.ladder.rungs import LadderConfig, plan_ladder, shape_for_depth, vocab_size_of
+    from tenx.scaling.ladder.runner import read_results, run_one
     from tenx.train.config import load_run_config
 
     if not train_missing:  # the runs as they are (e.g. tests/data/ladder-val-bench)

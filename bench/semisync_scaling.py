@@ -9,7 +9,7 @@ values of H, streaming DiLoCo (2 fragments) at the larger H, and DiLoCo with low
 (`parallel.replicas.pseudo_grad_dtype` bf16, int8, int4, with error feedback).
 
 Scored: group 0's final model on the whole held-out split (fp32). The analysis is `tenx derisk`'s
-(tenx.scaling.derisk.compute.analyse) with sync as the baseline: L_sync(C) is fitted (tenx.scaling.fit), and a
+(tenx.scaling.derisk.compute_multiplier.analyse) with sync as the baseline: L_sync(C) is fitted (tenx.scaling.fit), and a
 mode's effective compute multiplier at budget C is C_sync(L_mode) / C (< 1: the mode needs more compute
 than sync for its loss), with a 95% interval from the fit's bootstrap and the seed noise measured at the
 smallest budget (--seeds), and its trend per decade of compute. Bytes: `replica_bytes_sent` of group 0 per
@@ -57,8 +57,14 @@ from tenx.model.config import ModelConfig  # noqa: E402
 from tenx.model.flops import count_params, flops_per_token  # noqa: E402
 from tenx.parallel.lighthouse import start_lighthouse  # noqa: E402
 from tenx.parallel.replicas import ReplicaConfig  # noqa: E402
-from tenx.scaling.derisk.compute import DeriskConfig, Stage, _label_axes, analyse, format_multiplier  # noqa: E402
-from tenx.scaling.ladder.run import config_key  # noqa: E402
+from tenx.scaling.derisk.compute_multiplier import (  # noqa: E402
+    DeriskConfig,
+    Stage,
+    _label_axes,
+    analyse,
+    format_multiplier,
+)
+from tenx.scaling.ladder.runner import config_key  # noqa: E402
 from tenx.utils.io import atomic_write_json  # noqa: E402
 
 SEQ_LEN = 128
@@ -244,7 +250,7 @@ def train_pair(
 # ----- analysis (pure: unit-tested in tests/test_semisync_bench.py) --------------------------------------
 @dataclass
 class _RowKey:
-    """The config part derisk.analyse keys a run's row by (tenx.scaling.ladder.run.config_key)."""
+    """The config part derisk.analyse keys a run's row by (tenx.scaling.ladder.runner.config_key)."""
 
     model: dict[str, Any]
     data: dict[str, Any]

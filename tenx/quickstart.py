@@ -35,7 +35,7 @@ from tenx.errors import ConfigError
 from tenx.eval.evaluate import evaluate
 from tenx.hardware import cpu_name, pick_device, resolve_precision
 from tenx.monitor.loss_plot import plot_loss_curve
-from tenx.scaling.ladder.run import measure_tokens_per_s
+from tenx.scaling.ladder.runner import measure_tokens_per_s
 from tenx.train.callbacks.budget import WallBudget, planned_steps
 from tenx.train.config import RunConfig, load_run_config, resolve_config_path
 from tenx.train.config import tokens_per_step as run_tokens_per_step

@@ -105,7 +105,7 @@ def crash_at():
 def small_ladder():
     """A function: the LadderConfig of a small isoflop ladder (two budgets, two sizes each, one seed) that
     trains on the tiny data in seconds, with `changes` to its fields."""
-    from tenx.scaling.ladder.run import LadderConfig
+    from tenx.scaling.ladder.runner import LadderConfig
 
     def make(**changes):
         return LadderConfig(

@@ -151,7 +151,7 @@ def _nodes(cfg, where=""):
 
 def test_a_config_section_is_named_once_and_where_the_tree_puts_it():
     """A config validated on its own names its section (SECTION) as the trees that hold it do."""
-    from tenx.scaling.derisk.compute import DeriskConfig
+    from tenx.scaling.derisk.compute_multiplier import DeriskConfig
 
     sections = {}
     for tree in (RunConfig(), DeriskConfig()):

@@ -1,4 +1,4 @@
-"""Effective data multipliers (`tenx derisk` mode 'data', tenx/scaling/derisk/data.py) on synthetic losses
+"""Effective data multipliers (`tenx derisk` mode 'data', tenx/scaling/derisk/data_multiplier.py) on synthetic losses
 from a known data-constrained law, its plan and errors, and `tenx plan choose --unique-tokens`."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from tenx.cli import main
 from tenx.errors import ConfigError
-from tenx.scaling.derisk.compute import ChangeConfig, DeriskConfig, load_derisk
-from tenx.scaling.derisk.data import (
+from tenx.scaling.derisk.compute_multiplier import ChangeConfig, DeriskConfig, load_derisk
+from tenx.scaling.derisk.data_multiplier import (
     LAW_PARAMS,
     MIN_CAPPED_EPOCHS,
     analyse_data,

@@ -10,7 +10,7 @@ import pytest
 
 from tenx.cli import main
 from tenx.errors import ConfigError
-from tenx.scaling.derisk.compute import (
+from tenx.scaling.derisk.compute_multiplier import (
     ChangeConfig,
     DeriskConfig,
     analyse,
@@ -19,7 +19,7 @@ from tenx.scaling.derisk.compute import (
     plan_derisk,
     verdict,
 )
-from tenx.scaling.ladder.run import LadderConfig, config_key, load_base
+from tenx.scaling.ladder.runner import LadderConfig, config_key, load_base
 from tenx.train.config import CONFIG_DIR
 
 DERISK_CONFIGS = sorted((CONFIG_DIR / "derisk").glob("*.toml"))

@@ -326,7 +326,7 @@ def test_the_data_derisk_report_carries_the_fits_warnings():
     without a word; the report now says so above them."""
     import numpy as np
 
-    from tenx.scaling.derisk.data import format_data_derisk, law_warnings
+    from tenx.scaling.derisk.data_multiplier import format_data_derisk, law_warnings
     from tenx.scaling.fit.laws import fit_data_constrained
 
     rows = _law_rows()

@@ -424,7 +424,7 @@ def test_the_submit_command_quotes_the_script(tmp_path, monkeypatch, capsys):
 
 
 def test_derisk_and_incident_suggestions_quote_the_run_path(tmp_path):
-    from tenx.scaling.derisk.compute import read_result
+    from tenx.scaling.derisk.compute_multiplier import read_result
     from tenx.triage.incident_store import IncidentStore
 
     hostile = tmp_path / "study $(touch PWNED) `x`"

@@ -17,9 +17,9 @@ from tenx.cli import build_parser, main
 from tenx.data.manifest import read_manifest
 from tenx.errors import ConfigError
 from tenx.monitor.goodput import compute_goodput
-from tenx.scaling.ladder import run as ladder_mod
-from tenx.scaling.ladder.estimate import RUN_OVERHEAD_S
-from tenx.scaling.ladder.run import (
+from tenx.scaling.ladder import runner as ladder_mod
+from tenx.scaling.ladder.cost import RUN_OVERHEAD_S
+from tenx.scaling.ladder.runner import (
     LadderConfig,
     LadderProgress,
     config_key,

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from tenx.errors import ConfigError
-from tenx.scaling.derisk.compute import load_derisk, plan_derisk
-from tenx.scaling.ladder.run import (
+from tenx.scaling.derisk.compute_multiplier import load_derisk, plan_derisk
+from tenx.scaling.ladder.runner import (
     DEFAULT_BUDGETS,
     LadderConfig,
     config_key,

@@ -1,4 +1,4 @@
-"""A ladder's runs trained `ladder.workers` at a time (tenx.scaling.ladder.run.run_planned)."""
+"""A ladder's runs trained `ladder.workers` at a time (tenx.scaling.ladder.runner.run_planned)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from tenx.cli import build_parser, main
 from tenx.errors import ConfigError
-from tenx.scaling.ladder.estimate import workers_seconds
-from tenx.scaling.ladder.run import plan_ladder, read_results, run_ladder, slot_config
+from tenx.scaling.ladder.cost import workers_seconds
+from tenx.scaling.ladder.runner import plan_ladder, read_results, run_ladder, slot_config
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from tenx.errors import TenxError
 from tenx.rundir import RunDir, written_by_tenx
-from tenx.scaling.ladder.run import LadderConfig, plan_ladder, run_one
+from tenx.scaling.ladder.runner import LadderConfig, plan_ladder, run_one
 from tenx.train.run import train
 from tenx.utils.lock import HOLDER_ENV, exclusive_writer, holder_environment
 

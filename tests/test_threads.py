@@ -273,8 +273,8 @@ def test_compress_threads(monkeypatch):
 
 
 def test_ladder_and_derisk_threads_reach_the_probe_and_every_run(monkeypatch):
-    from tenx.scaling.derisk import compute as derisk
-    from tenx.scaling.ladder import run as ladder
+    from tenx.scaling.derisk import compute_multiplier as derisk
+    from tenx.scaling.ladder import runner as ladder
 
     seen: dict[str, object] = {}
 

@@ -31,7 +31,7 @@ FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents", "excess_params
 
 def cmd_ladder(args: argparse.Namespace) -> None:
     """Plan and run a ladder (or print its plan, or write its cluster scripts)."""
-    from tenx.scaling.ladder.run import LadderConfig, load_base, parse_budgets, run_ladder
+    from tenx.scaling.ladder.runner import LadderConfig, load_base, parse_budgets, run_ladder
     from tenx.utils.cpus import set_torch_threads
 
     set_torch_threads(args.threads)  # the dry run's timing probe; each run sets train.threads again
@@ -78,9 +78,9 @@ def _ladder_arguments(lp: argparse.ArgumentParser) -> None:
 
 def cmd_derisk(args: argparse.Namespace) -> None:
     """Run a derisking study (or print its stack and runs)."""
-    from tenx.scaling.derisk.compute import derisk_from_args, run_derisk
-    from tenx.scaling.derisk.data import run_data_derisk
-    from tenx.scaling.ladder.run import parse_budgets
+    from tenx.scaling.derisk.compute_multiplier import derisk_from_args, run_derisk
+    from tenx.scaling.derisk.data_multiplier import run_data_derisk
+    from tenx.scaling.ladder.runner import parse_budgets
     from tenx.utils.cpus import set_torch_threads
 
     set_torch_threads(args.threads)
@@ -104,7 +104,7 @@ def cmd_derisk(args: argparse.Namespace) -> None:
 
 
 def _derisk_arguments(rp: argparse.ArgumentParser) -> None:
-    from tenx.scaling.derisk.compute import DeriskConfig
+    from tenx.scaling.derisk.compute_multiplier import DeriskConfig
 
     rp.add_argument(
         "--config",

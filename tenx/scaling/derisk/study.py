@@ -2,7 +2,7 @@
 
 Runs already in OUT/ladder are reused (a second call only re-analyses). OUT receives derisk_config.json
 (the study as given), derisk.json (the figures), report.md and report.png. The compute-multiplier study
-(tenx/scaling/derisk/compute.py) and the data-multiplier study (tenx/scaling/derisk/data.py) differ only
+(tenx/scaling/derisk/compute_multiplier.py) and the data-multiplier study (tenx/scaling/derisk/data_multiplier.py) differ only
 in what they plan, how they analyse the rows and how they draw the report.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tenx.scaling.ladder.run import run_planned
 from tenx.scaling.ladder.rungs import PlannedRun
+from tenx.scaling.ladder.runner import run_planned
 from tenx.utils.io import atomic_write_json, atomic_write_text
 
 

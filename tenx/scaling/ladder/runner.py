@@ -2,7 +2,7 @@
 
 A ladder turns a base config and a list of compute budgets C (training FLOPs) into runs: the planning rules
 (grids, shapes, hyperparameters by size) are tenx/scaling/ladder/rungs.py's, the cluster launch scripts
-tenx/scaling/ladder/scripts.py's, the dry run's time estimate tenx/scaling/ladder/estimate.py's. Runs are
+tenx/scaling/ladder/emit.py's, the dry run's time estimate tenx/scaling/ladder/cost.py's. Runs are
 idempotent: a run whose row (keyed by a hash of its resolved config) is in results.jsonl is skipped; a run
 with checkpoints resumes from the newest verified one; a finished run is only evaluated. Several runs may
 train at once (`ladder.workers`: run_planned).
@@ -29,7 +29,7 @@ from typing import Any, Literal
 from tenx import config as cfglib
 from tenx import rundir
 from tenx.errors import ConfigError, TenxError
-from tenx.scaling.ladder.estimate import (
+from tenx.scaling.ladder.cost import (
     contention_note,
     estimate_seconds,
     measure_tokens_per_s,
@@ -38,6 +38,7 @@ from tenx.scaling.ladder.estimate import (
     steady_step_seconds,
     workers_seconds,
 )
+from tenx.scaling.ladder.emit import launch_files, write_launch_files
 from tenx.scaling.ladder.rungs import (
     DEFAULT_BUDGETS,
     BudgetCheck,
@@ -52,7 +53,6 @@ from tenx.scaling.ladder.rungs import (
     plan_ladder,
     shape_for_depth,
 )
-from tenx.scaling.ladder.scripts import launch_files, write_launch_files
 from tenx.train.config import RunConfig, load_run_config
 from tenx.train.hooks import Callback, TrainerView
 from tenx.utils.io import atomic_write_json, atomic_write_text, bytes_xxhash, cache_dir, read_jsonl
@@ -400,7 +400,7 @@ def run_planned(
     command: str = "",
     splits: tuple[str, ...] = EVAL_SPLITS,
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Train (or resume, or reuse), score and record each of `runs` as tenx.scaling.ladder.run.run_one does,
+    """Train (or resume, or reuse), score and record each of `runs` as tenx.scaling.ladder.runner.run_one does,
     `lc.workers` at a time, costliest first; yields (index in `runs`, its row) as each finishes (in plan
     order with one worker).
     `labels` head each run's progress lines (default: the runs' names)."""

@@ -30,7 +30,7 @@ infinite when the change beats the law's floor for that model size (E + A/N^alph
 
 Intervals combine the bootstrap of the law with seed noise (every run of the smallest scale trains with
 `seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
-/ reverses / hurts / unresolved) are tenx.scaling.derisk.compute's, per decade of training compute.
+/ reverses / hurts / unresolved) are tenx.scaling.derisk.compute_multiplier's, per decade of training compute.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
-from tenx.scaling.derisk.compute import DeriskConfig, format_multiplier, prepare_stack, verdict
+from tenx.scaling.derisk.compute_multiplier import DeriskConfig, format_multiplier, prepare_stack, verdict
 from tenx.scaling.derisk.study import run_study
-from tenx.scaling.ladder.run import config_key, format_dry_run, load_base
 from tenx.scaling.ladder.rungs import PlannedRun, plan_ladder
+from tenx.scaling.ladder.runner import config_key, format_dry_run, load_base
 from tenx.utils.io import save_png
 
 SHOWN = (0.01, 100.0)

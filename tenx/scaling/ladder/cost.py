@@ -159,7 +159,7 @@ def start_order(plan: list[PlannedRun]) -> list[int]:
 
 
 def workers_seconds(plan: list[PlannedRun], seconds: dict[str, float], workers: int) -> float:
-    """Wall seconds of `plan` trained `workers` at a time as tenx.scaling.ladder.run.run_planned schedules it
+    """Wall seconds of `plan` trained `workers` at a time as tenx.scaling.ladder.runner.run_planned schedules it
     (start_order, each run to the first worker free), from each run's `seconds` on its worker's slot."""
     free = [0.0] * workers
     for i in start_order(plan):

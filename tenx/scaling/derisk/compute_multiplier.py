@@ -27,7 +27,7 @@ smallest and largest budget:
   or larger budgets would); this one is read before the others.
 
 With `mode = "data"` a study measures each change's effective *data* multiplier at a fixed budget of unique
-tokens instead (tenx/scaling/derisk/data.py, which plans and analyses it with this module's pieces).
+tokens instead (tenx/scaling/derisk/data_multiplier.py, which plans and analyses it with this module's pieces).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
 from tenx.scaling.derisk.study import run_study
-from tenx.scaling.ladder.run import config_key, ensure_data, format_dry_run, load_base
 from tenx.scaling.ladder.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
+from tenx.scaling.ladder.runner import config_key, ensure_data, format_dry_run, load_base
 from tenx.utils.io import save_png
 
 Z95 = 1.959963984540054
@@ -100,7 +100,7 @@ class DeriskConfig:
     mode: Literal["compute", "data"] = field(
         "compute",
         help="'compute': effective compute multipliers of a stack; 'data': effective data multipliers of "
-        "each change alone at a fixed unique-token budget (tenx/scaling/derisk/data.py)",
+        "each change alone at a fixed unique-token budget (tenx/scaling/derisk/data_multiplier.py)",
     )
     unique_tokens: list[int] = field(
         default_factory=list,
@@ -519,7 +519,7 @@ def run_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> d
     """Train every config of the stack at every budget (reusing runs already in OUT), analyse, report."""
     out = Path(out)
     if dc.mode == "data":
-        raise ConfigError("mode: 'data' studies run with tenx.scaling.derisk.data.run_data_derisk")
+        raise ConfigError("mode: 'data' studies run with tenx.scaling.derisk.data_multiplier.run_data_derisk")
     stages = plan_derisk(dc, dry_run=dry_run)
     if dry_run:
         for st in stages:
