@@ -1,7 +1,7 @@
 """Data efficiency: which changes make repeated data worth more, by how much, and does the gain persist?
 
 Runs the study of configs/derisk/data_efficiency.toml (`tenx derisk` in data mode: tenx/scaling/
-derisk/data.py): the baseline at 3 model sizes on fresh data and capped at each unique-token budget U,
+derisk/data_multiplier.py): the baseline at 3 model sizes on fresh data and capped at each unique-token budget U,
 each on several fractions of its tokens; Muennighoff et al. (2023)'s data-constrained law fitted to those
 runs; each change trained at U = compare_unique_tokens and read off the law, anchored at the baseline's own
 run there, as an effective data multiplier per scale, with a 95% interval and a verdict. Runs already in
