@@ -127,10 +127,10 @@ def _dying_batch(batch):
 
 
 def test_a_killed_worker_ends_prepare_with_an_error(aaa_source, tmp_path, monkeypatch, capsys):
-    from tenx.data.prepare import stream
+    from tenx.data.prepare import pool, stream
 
     monkeypatch.setattr(stream, "_tokenize_batch", _dying_batch)
-    monkeypatch.setattr(stream, "_POLL_S", 0.2)
+    monkeypatch.setattr(pool, "_POLL_S", 0.2)
     started = time.monotonic()
     assert main(_prepare(aaa_source, tmp_path / "out", _tokenizer_dir(tmp_path, None))) == 2
     err = capsys.readouterr().err
