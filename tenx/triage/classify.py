@@ -263,7 +263,7 @@ def _counterfactual_verdict(
     for candidate in dict.fromkeys([cf.parted, cf.start + 1]):
         if candidate is None or candidate > step:
             continue
-        found = _bisect_parting(incident, candidate, step, at_time, recorded)
+        found = _bisect_parting(incident, candidate, step, cf.times.get(candidate, at_time), recorded)
         if found is None:
             continue
         evidence["parted_bisect"] = found.text()
@@ -289,14 +289,11 @@ def _counterfactual_verdict(
 def _bisect_parting(
     incident: Incident, at: int, step: int, at_time: float, recorded: StepOutcome | None
 ) -> BisectReport | None:
-    """Bisect step `at` of the incident's timeline; the report when it names an operator on a healthy state."""
-    replayer_time = at_time
-    if at < step:  # that step's execution before the incident: its own record's time
-        _, chain, _ = Replayer(incident.run_dir).plan(step, at_time, None)
-        replayer_time = float(chain[at].get("time", at_time)) if at in chain else at_time
-        recorded = None
+    """Bisect step `at` of the incident's timeline (`at_time`: its execution's record time, or the incident's
+    for its own step); the report when it names an operator on a healthy state."""
     repro_dir = RunDir(incident.run_dir).incident_dir(incident.id)
-    report = bisect_step(incident.run_dir, at, at_time=replayer_time, recorded=recorded, repro_dir=repro_dir)
+    recorded = recorded if at == step else None
+    report = bisect_step(incident.run_dir, at, at_time=at_time, recorded=recorded, repro_dir=repro_dir)
     if report.first is None or diverged_state(incident.run_dir, report.reference) is not None:
         return None
     return report

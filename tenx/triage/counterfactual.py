@@ -94,6 +94,8 @@ class Counterfactual:
     """Step -> loss as the run recorded it (inf: non-finite or crashed)."""
     reference: dict[int, float] = field(default_factory=dict)
     """Step -> loss on the reference path (stops at the step it runs away)."""
+    times: dict[int, float] = field(default_factory=dict)
+    """Step -> the time its record was written (the execution on the incident's timeline)."""
     reference_diverged: int | None = None
     """The first step at which the reference path's loss ran away too (None: it never did)."""
     parted: int | None = None
@@ -167,6 +169,7 @@ def counterfactual(
     source = replayer.load_before(trouble, chain)
     start = replayer.step
     cf = Counterfactual(str(run_dir), step, trouble, start, str(source) if source else None, first)
+    cf.times = {s: float(r["time"]) for s, r in chain.items() if isinstance(r.get("time"), (int, float))}
     for s in range(start + 1, step + 1):
         if s < step:
             loss = float(chain[s]["loss"])
