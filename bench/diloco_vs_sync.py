@@ -51,7 +51,7 @@ def heldout_loss(run_dir: Path) -> float:
     import torch
 
     from tenx.eval.bpb import eval_split
-    from tenx.eval.load import load_model
+    from tenx.checkpoint.models import load_model
 
     torch.set_num_threads(2)
     loaded = load_model(run_dir, "cpu")

@@ -91,7 +91,7 @@ EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fa
 
 IMPORT_EXPORT = """
 import json, sys, torch
-from tenx.eval.load import load_model
+from tenx.checkpoint.models import load_model
 from tenx.export.hf_import import import_hf
 run, out = sys.argv[1:3]
 model = load_model(run, "cpu").model.float().eval()
@@ -102,7 +102,7 @@ with torch.no_grad():
 """
 LOAD_EXPORT = """
 import json, sys, torch, transformers
-from tenx.eval.load import load_model
+from tenx.checkpoint.models import load_model
 run, out, device = sys.argv[1:4]
 model = load_model(run, device).model.float().eval()
 hf = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval().to(device)
@@ -235,7 +235,7 @@ class Context:
 
 def same_model(a: Path, b: Path) -> None:
     """CheckFailed unless the newest checkpoints of runs a and b hold the same model, bit for bit."""
-    from tenx.eval.load import load_model
+    from tenx.checkpoint.models import load_model
 
     first, second = load_model(a, "cpu"), load_model(b, "cpu")
     if first.checkpoint.name != second.checkpoint.name:

@@ -28,6 +28,8 @@ RUN_DIR/
   wandb/               the W&B run (log.wandb; log.wandb_dir puts it elsewhere)
   wandb.json           the W&B run id and the events sent to it (a resume continues that run)
   checkpoints/         step_XXXXXXXX/ checkpoints (tenx.checkpoint)
+  ensemble.json        an ensemble's members (model.ensemble = K, or `tenx ensemble` of finished runs)
+  members/K/           member K of an ensemble trained here: a run directory of its own
 ```
 
 Other modules ask a RunDir for a path; none spells these names (tests/test_layers.py checks).
@@ -65,6 +67,8 @@ CHECKPOINTS = "checkpoints"
 STACKS = "stacks-pid"
 HANG = "hang-step"
 WRITER_LOCK = "writer.lock"
+ENSEMBLE = "ensemble.json"
+MEMBERS = "members"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 """A published checkpoint's directory name."""
 STEP_GLOB = "step_" + "[0-9]" * 8
@@ -78,7 +82,7 @@ def written_by_tenx(name: str) -> bool:
     ours = {
         CONFIG, PROVENANCE, RUN_ID, METRICS, EVENTS, STEPS, PREQUENTIAL, INCIDENTS_DB, INCIDENTS, LEDGER,
         DATA_SKIPS, EVAL, LOSS_CURVE, PREDICTION, PREDICTION_PNG, EXTRAPOLATION, TENSORBOARD, WANDB,
-        WANDB_STATE, CHECKPOINTS, WRITER_LOCK,
+        WANDB_STATE, CHECKPOINTS, WRITER_LOCK, ENSEMBLE, MEMBERS,
     }  # fmt: skip
     if name in ours or name.startswith((STACKS, f"{INCIDENTS_DB}-", ".tenx-write-check.")):
         return True
@@ -194,6 +198,15 @@ class RunDir:
     def writer_lock(self) -> Path:
         """The lock the one process writing the run holds (tenx.utils.lock.exclusive_writer)."""
         return self.root / WRITER_LOCK
+
+    @property
+    def ensemble(self) -> Path:
+        """An ensemble's manifest: its members' run directories (tenx.checkpoint.models.load_model)."""
+        return self.root / ENSEMBLE
+
+    def member(self, k: int) -> Path:
+        """The run directory of member `k` of an ensemble trained in this one."""
+        return self.root / MEMBERS / str(int(k))
 
     def stacks(self, pid: int) -> Path:
         """Where `kill -USR1 PID` dumps the thread stacks of process `pid`."""

@@ -114,7 +114,7 @@ def test_a_signal_during_training_saves_a_checkpoint_that_resumes_exactly(tiny_d
     import sys
     import time
 
-    from tenx.eval.load import load_model
+    from tenx.checkpoint.models import load_model
 
     sets = [f'data.dir="{tiny_data}"', "train.steps=400", "train.threads=1", "log.progress=false"]
     sets += ["checkpoint.every=1000", "checkpoint.at_end=true", "train.eval_every=1000"]
@@ -155,7 +155,7 @@ def test_a_signal_during_training_saves_a_checkpoint_that_resumes_exactly(tiny_d
 def test_eval_says_which_checkpoint_it_used_when_the_newest_does_not_verify(
     tiny_data, tiny_config, tmp_path, capsys
 ):
-    from tenx.eval.load import load_model
+    from tenx.checkpoint.models import load_model
     from tenx.train.run import train
 
     run = tmp_path / "run"

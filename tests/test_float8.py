@@ -18,7 +18,7 @@ from torch import nn
 import tenx.train.parts as parts
 from tenx.cli import main
 from tenx.errors import ConfigError
-from tenx.eval.load import load_model
+from tenx.checkpoint.models import load_model
 from tenx.hardware import resolve_precision
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer

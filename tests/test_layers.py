@@ -28,8 +28,9 @@ LAYERS: list[list[str]] = [
 ]
 
 # File and folder names of a run directory: only tenx/rundir.py spells them (every string constant it
-# defines), but for two that are also words of another kind: a manifest field and the incidents command.
-ALSO_OTHER_WORDS = {rundir.RUN_ID, rundir.INCIDENTS}
+# defines), but for three that are also words of another kind: a manifest field, the incidents command, and
+# the ensemble manifest's field that lists the members.
+ALSO_OTHER_WORDS = {rundir.RUN_ID, rundir.INCIDENTS, rundir.MEMBERS}
 RUN_FILES = tuple(
     sorted(
         v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str) and v not in ALSO_OTHER_WORDS

@@ -234,7 +234,7 @@ def test_eval_on_a_busy_machine_uses_fewer_threads_and_says_so(monkeypatch, caps
 
 
 def test_sample_threads_flag_sets_torchs_threads(monkeypatch, capsys):
-    from tenx.eval import load
+    from tenx.checkpoint import models as load
 
     class Loaded(Exception):
         pass

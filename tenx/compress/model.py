@@ -20,7 +20,7 @@ from tenx.compress.fixed import GRID_BITS, FixedWeights
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
-from tenx.eval.load import LoadedModel, load_model
+from tenx.checkpoint.models import LoadedModel, load_model
 from tenx.model.transformer import Transformer
 from tenx.utils.io import file_xxhash
 

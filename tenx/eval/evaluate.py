@@ -15,7 +15,7 @@ from tenx.errors import DataError, TenxError
 from tenx.eval.adaptive import AdaptConfig, adaptive_report
 from tenx.eval.bpb import combine, eval_split, eval_texts
 from tenx.eval.documents import check_texts
-from tenx.eval.load import load_model
+from tenx.checkpoint.models import load_model
 from tenx.hardware import resolve_precision
 from tenx.utils.io import atomic_write_json
 

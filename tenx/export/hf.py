@@ -35,7 +35,7 @@ from tenx import config as cfglib
 from tenx import rundir
 from tenx.data.tokenizer import EOT_TEXT, BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import ConfigError, DataError, TenxError
-from tenx.eval.load import load_model, resolve_checkpoint
+from tenx.checkpoint.models import load_model, resolve_checkpoint
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Block, Transformer
 from tenx.utils.io import FILE_MODE, atomic_write_json, publish_dir, staging_dir

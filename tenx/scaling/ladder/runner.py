@@ -179,7 +179,7 @@ def evaluate_run(
     from tenx.data.manifest import read_manifest, split_documents_text
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.bpb import eval_texts
-    from tenx.eval.load import load_model
+    from tenx.checkpoint.models import load_model
     from tenx.hardware import resolve_precision
 
     loaded = load_model(run_dir, "auto")

@@ -1,7 +1,9 @@
-"""Load a trained model for evaluation or sampling from a run directory or a checkpoint."""
+"""Load a trained model (one, or an ensemble of members) from a run directory or a checkpoint: for evaluation,
+sampling, compression, export, and a distillation teacher."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -16,15 +18,17 @@ from tenx import rundir
 from tenx.errors import CheckpointError, ConfigError
 from tenx.hardware import pick_device, tune_cpu_allocator
 from tenx.model.config import ModelConfig
+from tenx.model.ensemble import Ensemble
 from tenx.model.flops import count_params
 from tenx.model.transformer import Transformer
+from tenx.utils.io import read_regular_file
 
 
 @dataclass
 class LoadedModel:
     """A model restored from a checkpoint, with what is needed to use it."""
 
-    model: Transformer
+    model: Transformer | Ensemble
     checkpoint: Path
     meta: dict[str, Any]
     run_dir: Path | None
@@ -62,7 +66,11 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
 
     The checkpoint is verified first, and the model its manifest records must fit in the tensors its DCP
     metadata lists, so a forged manifest cannot make this allocate more than the checkpoint holds.
+    A directory with an ensemble manifest (`ensemble.json`) loads every member it lists, each verified the
+    same way, as one `Ensemble` (the average of the members' probabilities).
     """
+    if Path(target).is_dir() and rundir.RunDir(target).ensemble.exists():
+        return load_ensemble(target, device)
     path, run_dir = resolve_checkpoint(target)
     meta = ckpt.verify_checkpoint(path, require=_EVAL_FIELDS)
     model_cfg = _model_config(path, meta["model"])
@@ -91,6 +99,60 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
 
 
 _EVAL_FIELDS = ("model", "tokens")
+
+MAX_MEMBERS = 64
+"""The most members an ensemble manifest may list (each one is a whole model in memory)."""
+
+
+def ensemble_members(target: str | Path) -> list[Path]:
+    """The member run directories an ensemble manifest lists (relative paths are taken from its directory),
+    checked: a JSON object whose "members" is a list of 1 to MAX_MEMBERS distinct directories, none of them
+    an ensemble itself. Errors name the manifest and the entry."""
+    manifest = rundir.RunDir(target).ensemble
+    try:
+        data = json.loads(read_regular_file(manifest, limit=1 << 20))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"ensemble manifest {manifest}: not valid JSON ({e})") from None
+    members = data.get("members") if isinstance(data, dict) else None
+    if not isinstance(members, list) or not 1 <= len(members) <= MAX_MEMBERS:
+        raise CheckpointError(
+            f"ensemble manifest {manifest}: field 'members' must be a list of 1 to {MAX_MEMBERS} run "
+            "directories"
+        )
+    paths: list[Path] = []
+    for i, entry in enumerate(members):
+        if type(entry) is not str or not entry:
+            raise CheckpointError(f"ensemble manifest {manifest}: members[{i}] is not a path ({entry!r})")
+        path = Path(target) / entry  # an absolute entry stays absolute
+        if not path.is_dir():
+            raise CheckpointError(f"ensemble manifest {manifest}: members[{i}] {path} is not a directory")
+        if rundir.RunDir(path).ensemble.exists():
+            raise CheckpointError(
+                f"ensemble manifest {manifest}: members[{i}] {path} is an ensemble itself; list its members"
+            )
+        if any(path.resolve() == p.resolve() for p in paths):
+            raise CheckpointError(f"ensemble manifest {manifest}: members[{i}] {path} is listed twice")
+        paths.append(path)
+    return paths
+
+
+def load_ensemble(target: str | Path, device: str = "auto") -> LoadedModel:
+    """Every member of the ensemble in `target` (each loaded and verified as `load_model` does), as one
+    `Ensemble`; the returned checkpoint and metadata are member 0's, with "members" (their checkpoints)
+    added to the metadata."""
+    loaded = [load_model(p, device) for p in ensemble_members(target)]
+    data_dirs = {str(m.data_dir) for m in loaded}
+    if len(data_dirs) != 1:
+        raise CheckpointError(
+            f"ensemble {target}: its members trained on different data directories ({sorted(data_dirs)}); "
+            "an ensemble's members must share the tokenizer and the data"
+        )
+    try:
+        model = Ensemble([m.model for m in loaded])
+    except ValueError as e:
+        raise CheckpointError(f"ensemble {target}: {e}") from None
+    meta = dict(loaded[0].meta, members=[str(m.checkpoint) for m in loaded])
+    return LoadedModel(model, loaded[0].checkpoint, meta, Path(target))
 
 
 def _model_config(path: Path, recorded: dict[str, Any]) -> ModelConfig:
