@@ -57,7 +57,8 @@ def test_sync_closed_form_matches_simulation_within_2_percent(gpus, detect):
     tau = failsim.exact_interval_s(60.0, m)
     closed = failsim.sync_goodput_exact(tau, 60.0, m, 600.0, detect)
     sims = [
-        failsim.simulate_sync(m, tau, 60.0, 600.0, detect, 30, np.random.default_rng(r)) for r in range(6)
+        failsim.simulate_groups(1, m, tau + 60.0, tau, 600.0, detect, 30, np.random.default_rng(r))
+        for r in range(6)
     ]
     assert abs(np.mean(sims) - closed) < 0.02
     assert 0.3 < closed < 0.95  # a regime where failures matter
@@ -66,7 +67,10 @@ def test_sync_closed_form_matches_simulation_within_2_percent(gpus, detect):
 def test_first_order_goodput_matches_simulation_where_mtbf_is_long():
     m = failsim.job_mtbf_s(1e4)
     tau = young_daly_interval_s(60.0, m)
-    sims = [failsim.simulate_sync(m, tau, 60.0, 600.0, 0.0, 30, np.random.default_rng(r)) for r in range(6)]
+    sims = [
+        failsim.simulate_groups(1, m, tau + 60.0, tau, 600.0, 0.0, 30, np.random.default_rng(r))
+        for r in range(6)
+    ]
     assert abs(np.mean(sims) - expected_goodput(tau, 60.0, m, 600.0)) < 0.02
 
 
@@ -74,7 +78,8 @@ def test_semi_sync_closed_form_matches_simulation():
     m = failsim.job_mtbf_s(1e6)
     closed = failsim.semi_sync_goodput(8, m, 600.0, 600.0, 60.0)
     sims = [
-        failsim.simulate_semi_sync(8, m, 600.0, 600.0, 60.0, 10, np.random.default_rng(r)) for r in range(4)
+        failsim.simulate_groups(8, m, 600.0, 600.0, 600.0, 60.0, 10, np.random.default_rng(r))
+        for r in range(4)
     ]
     assert abs(np.mean(sims) - closed) < 0.02
     assert 0.5 < closed < 0.95
@@ -88,7 +93,9 @@ def test_young_daly_optimum_is_the_argmin_of_simulated_lost_time():
         1
         - np.mean(
             [
-                failsim.simulate_sync(m, young * f, 60.0, 600.0, 0.0, 30, np.random.default_rng(r))
+                failsim.simulate_groups(
+                    1, m, young * f + 60.0, young * f, 600.0, 0.0, 30, np.random.default_rng(r)
+                )
                 for r in range(4)
             ]
         )

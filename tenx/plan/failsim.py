@@ -181,35 +181,9 @@ def simulate_groups(
     return (1.0 - lost / (groups * horizon)) * progress
 
 
-def simulate_sync(
-    mtbf_s: float,
-    interval_s: float,
-    save_cost_s: float,
-    restart_s: float,
-    detect_s: float = 0.0,
-    days: float = 30.0,
-    rng: np.random.Generator | None = None,
-) -> float:
-    """A synchronous job: one group, whose segment is an interval of work and its save."""
-    return simulate_groups(1, mtbf_s, interval_s + save_cost_s, interval_s, restart_s, detect_s, days, rng)
-
-
-def simulate_semi_sync(
-    groups: int,
-    mtbf_s: float,
-    sync_s: float,
-    restart_s: float,
-    detect_s: float = 0.0,
-    days: float = 30.0,
-    rng: np.random.Generator | None = None,
-) -> float:
-    """k replica groups: a failure costs its group the work since its last sync (a segment) + D + R."""
-    return simulate_groups(groups, mtbf_s, sync_s, sync_s, restart_s, detect_s, days, rng)
-
-
 def expected_sim_events(mtbf_s: float, days: float, groups: int) -> float:
-    """The failures one replica of `simulate_sync` (and of `simulate_semi_sync` when groups >= 2) draws on
-    average."""
+    """The failures one replica of the synchronous `simulate_groups` (and of the semi-synchronous one when
+    groups >= 2) draws on average."""
     return days * DAY_S / mtbf_s * (2 if groups >= 2 else 1)
 
 
@@ -288,12 +262,13 @@ def failure_table(
         )
         if simulate:
             rngs = [np.random.default_rng([seed, i, r]) for r in range(replicas)]
+            # synchronous: one group, whose segment is an interval of work and its save
             row.sim_sync, row.sim_sync_ci = _mean_ci(
-                [simulate_sync(m, tau, save_cost_s, restart_s, detect_s, days, r) for r in rngs]
+                [simulate_groups(1, m, tau + save_cost_s, tau, restart_s, detect_s, days, r) for r in rngs]
             )
-            if k >= 2:
+            if k >= 2:  # semi-synchronous: a failure costs its group the work since its last sync
                 row.sim_semi_sync, row.sim_semi_sync_ci = _mean_ci(
-                    [simulate_semi_sync(k, m, sync_s, restart_s, detect_s, days, r) for r in rngs]
+                    [simulate_groups(k, m, sync_s, sync_s, restart_s, detect_s, days, r) for r in rngs]
                 )
             else:
                 row.sim_semi_sync, row.sim_semi_sync_ci = row.sim_sync, row.sim_sync_ci
