@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tenx import config as cfglib
 from tenx.errors import ConfigError
 from tenx.scaling.derisk.compute_multiplier import load_derisk, plan_derisk
 from tenx.scaling.ladder.runner import (
@@ -183,3 +184,27 @@ def test_ladder_runs_log_their_validation_curve_evals_per_run_times(base):
         assert run.config.train.eval_every == -(-run.steps // 20)
     off = plan_ladder(base, LadderConfig(budgets=[4.3e12], noise_seeds=1, evals_per_run=0))
     assert all(r.config.train.eval_every == 0 for r in off)
+
+
+def test_a_new_field_at_its_default_keeps_every_runs_identity(monkeypatch):
+    """config_key hashes only fields that differ from their defaults: a field tenx adds later (whose default
+    keeps the old behaviour) leaves a ladder's finished runs reusable; a field set away from it does not."""
+    from tenx.train.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.optim.lr = 2e-3
+    before = config_key(cfg)
+    original = cfglib.to_dict
+
+    def with_new_field(obj):
+        tree = original(obj)
+        if isinstance(obj, RunConfig):
+            tree["train"]["some_new_field"] = 7 if getattr(obj, "_set_new", False) else 0
+        return tree
+
+    monkeypatch.setattr(cfglib, "to_dict", with_new_field)
+    assert config_key(cfg) == before
+    cfg._set_new = True  # type: ignore[attr-defined]
+    assert config_key(cfg) != before
+    cfg.optim.lr = 1e-3
+    assert config_key(cfg) != before

@@ -133,12 +133,23 @@ def ensure_data(base: RunConfig, lc: LadderConfig, *, dry_run: bool = False) -> 
 
 # ----- results table ---------------------------------------------------------------------------------
 def config_key(cfg: RunConfig) -> str:
-    """Identity of a run: a hash of everything that changes its numbers (model, data, optim, train)."""
-    tree = cfglib.to_dict(cfg)
-    core = {k: tree[k] for k in ("model", "data", "optim", "train") if k in tree}
+    """Identity of a run: a hash of everything that changes its numbers (model, data, optim, train).
+
+    Only the fields that differ from their defaults are hashed, so a field added to tenx later, whose
+    default keeps the old behaviour, leaves every earlier run's identity (and a ladder's reuse of it) as
+    it was."""
+    tree, default = cfglib.to_dict(cfg), cfglib.to_dict(type(cfg)())
+    core = {
+        k: {f: v for f, v in tree[k].items() if v != default[k].get(f, _ABSENT)}
+        for k in ("model", "data", "optim", "train")
+        if k in tree
+    }
     for how in ("micro_batch", "grad_accum", "device", "threads", "compile", "tune_allocator"):
         core["train"].pop(how, None)  # how the batch is computed, not what is computed
     return bytes_xxhash(json.dumps(core, sort_keys=True).encode())
+
+
+_ABSENT = object()
 
 
 def read_results(ladder_dir: str | Path) -> list[dict[str, Any]]:
@@ -176,10 +187,10 @@ def evaluate_run(
     run_dir: str | Path, eval_bytes: int, splits: tuple[str, ...] = EVAL_SPLITS
 ) -> dict[str, dict[str, Any]]:
     """Loss and bits per byte of a finished run's final checkpoint on each of `splits` (val, heldout)."""
+    from tenx.checkpoint.models import load_model
     from tenx.data.manifest import read_manifest, split_documents_text
     from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.bpb import eval_texts
-    from tenx.checkpoint.models import load_model
     from tenx.hardware import resolve_precision
 
     loaded = load_model(run_dir, "auto")
