@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tenx.eval.bpb import stream_nll, summarize, window_plan
+from tenx.eval.bpb import Scoring, stream_nll, summarize, window_plan
 from tenx.model import ModelConfig, Transformer
 from tenx.utils.xz import xz_bits_per_byte
 
@@ -27,7 +27,7 @@ def test_stream_nll_matches_manual_non_overlapping():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(family="llama", depth=1, head_dim=32, seq_len=8).resolved(50)).eval()
     tokens = np.random.default_rng(0).integers(1, 50, size=21)
-    nll, n = stream_nll(model, tokens, eot_id=0, batch_size=3)
+    nll, n = stream_nll(model, tokens, 0, Scoring(batch_size=3))
     stream = torch.tensor(np.concatenate([[0], tokens]))
     manual = 0.0
     for s in range(0, 21, 8):
@@ -42,7 +42,7 @@ def test_stream_nll_matches_manual_non_overlapping():
             losses = F.cross_entropy(model(x[None])[0], y, reduction="none")
         manual += losses[skip:].sum().item()
     assert n == 21 and math.isclose(nll, manual, rel_tol=1e-5)
-    nll_half, n_half = stream_nll(model, tokens, eot_id=0, batch_size=3, stride=4)
+    nll_half, n_half = stream_nll(model, tokens, 0, Scoring(batch_size=3, stride=4))
     assert n_half == 21 and nll_half != nll
 
 

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,21 @@ def window_plan(n_targets: int, seq_len: int, stride: int) -> tuple[int, list[tu
     return length, plan
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How a token stream is scored: the windows of a batch, how far each moves, and the autocast dtype.
+
+    A `stride` below seq_len (the default: windows that do not overlap) gives every scored token at least
+    seq_len - stride tokens of context, at seq_len / stride times the compute; float32 is no autocast."""
+
+    batch_size: int = 8
+    stride: int | None = None
+    amp_dtype: torch.dtype = torch.float32
+
+
 @torch.no_grad()
 def _scored_windows(
-    model: Transformer,
-    tokens: np.ndarray,
-    eot_id: int,
-    batch_size: int,
-    stride: int | None,
-    amp_dtype: torch.dtype,
-    context_given: bool = False,
+    model: Transformer, tokens: np.ndarray, eot_id: int, scoring: Scoring, context_given: bool = False
 ) -> Iterator[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]]:
     """For each batch of windows: their (start, first scored position), per-position NLL and scored mask.
 
@@ -57,7 +64,8 @@ def _scored_windows(
     while the GPU still scores this one."""
     device = next(model.parameters()).device
     T = model.cfg.seq_len
-    stride = min(stride or T, T)
+    stride = min(scoring.stride or T, T)
+    batch_size, amp_dtype = scoring.batch_size, scoring.amp_dtype
     if context_given:  # tokens[0] is the end-of-document id the caller put first (no copy of a long stream)
         stream = np.asarray(tokens, dtype=np.int64)
     else:
@@ -108,21 +116,11 @@ def _logged(batches: range, n_targets: int) -> Iterator[int]:
 
 
 def stream_nll(
-    model: Transformer,
-    tokens: np.ndarray,
-    eot_id: int,
-    batch_size: int = 8,
-    *,
-    stride: int | None = None,
-    amp_dtype: torch.dtype = torch.float32,
+    model: Transformer, tokens: np.ndarray, eot_id: int, scoring: Scoring = Scoring()
 ) -> tuple[float, int]:
-    """(total negative log-likelihood in nats, tokens scored) of `tokens` under `model`.
-
-    `stride` (default seq_len) is how far each window moves; a smaller stride gives every scored token at
-    least seq_len - stride tokens of context, at seq_len / stride times the compute.
-    """
+    """(total negative log-likelihood in nats, tokens scored) of `tokens` under `model`."""
     sums = []  # each batch's sum stays on the device: one copy to the host at the end, not one per batch
-    for _, nll, mask in _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype):
+    for _, nll, mask in _scored_windows(model, tokens, eot_id, scoring):
         sums.append(torch.where(mask, nll, 0.0).sum())
     return (sum(torch.stack(sums).tolist()) if sums else 0.0), len(tokens)
 
@@ -131,18 +129,15 @@ def token_nll(
     model: Transformer,
     tokens: np.ndarray,
     eot_id: int,
-    batch_size: int = 8,
+    scoring: Scoring = Scoring(),
     *,
-    stride: int | None = None,
-    amp_dtype: torch.dtype = torch.float32,
     context_given: bool = False,
 ) -> np.ndarray:
     """The NLL (nats) of each token of `tokens`, scored as `stream_nll` scores them (a float32 array: the
     values the model computed, 4 bytes a token; sum them in float64). `context_given`: tokens[0] is the
     end-of-document id that gives the first token its context, and is not scored."""
     out = np.zeros(len(tokens) - (1 if context_given else 0), dtype=np.float32)
-    windows = _scored_windows(model, tokens, eot_id, batch_size, stride, amp_dtype, context_given)
-    for chunk, nll, _ in windows:
+    for chunk, nll, _ in _scored_windows(model, tokens, eot_id, scoring, context_given):
         values = nll.float().cpu().numpy()
         for row, (start, first) in enumerate(chunk):
             out[start + first : start + nll.shape[1]] = values[row, first:]
@@ -177,7 +172,7 @@ def eval_split(
     eot = int(stream.manifest["tokenizer"]["eot_id"])
     tokens = stream.read(0, len(stream)) if len(stream) else np.zeros(0, dtype=np.int64)
     # The stream already ends each document with EOT; the prepended EOT gives the first document context.
-    nll, n = stream_nll(model, tokens, eot, batch_size, stride=stride, amp_dtype=amp_dtype)
+    nll, n = stream_nll(model, tokens, eot, Scoring(batch_size, stride, amp_dtype))
     return summarize(nll, n, int(stream.manifest["splits"][split]["bytes"]))
 
 
@@ -196,7 +191,7 @@ def eval_texts(
         ids.extend(doc)
         ids.append(tokenizer.eot_id)
     nll, n = stream_nll(
-        model, np.array(ids, dtype=np.int64), tokenizer.eot_id, batch_size, stride=stride, amp_dtype=amp_dtype
+        model, np.array(ids, dtype=np.int64), tokenizer.eot_id, Scoring(batch_size, stride, amp_dtype)
     )
     return summarize(nll, n, sum(len(t.encode("utf-8")) for t in texts))
 

@@ -18,7 +18,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-import torch
 
 from tenx.data.codebase import CODEBASE_SKIP_REASONS, Codebase, language_of
 from tenx.data.manifest import INDEX_DTYPE, np_dtype, read_manifest
@@ -26,7 +25,7 @@ from tenx.data.prepare.clean import CleaningStats, clean_text
 from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import Tokenizer, check_round_trip, round_trip_sample
 from tenx.errors import DataError
-from tenx.eval.bpb import summarize, token_nll
+from tenx.eval.bpb import Scoring, summarize, token_nll
 from tenx.model.transformer import Transformer
 
 
@@ -153,10 +152,7 @@ def document_nll(
     model: Transformer,
     docs: list[Document],
     eot_id: int,
-    batch_size: int,
-    *,
-    stride: int | None,
-    amp_dtype: torch.dtype,
+    scoring: Scoring,
 ) -> np.ndarray:
     """Each document's NLL (nats) within the whole dataset's stream, its end-of-document token included."""
     bounds = np.cumsum([len(doc.tokens) + 1 for doc in docs], dtype=np.int64)
@@ -167,9 +163,7 @@ def document_nll(
         stream[at : at + len(doc.tokens)] = doc.tokens
         stream[at + len(doc.tokens)] = eot_id
         at += len(doc.tokens) + 1
-    per_token = token_nll(
-        model, stream, eot_id, batch_size, stride=stride, amp_dtype=amp_dtype, context_given=True
-    )
+    per_token = token_nll(model, stream, eot_id, scoring, context_given=True)
     return (
         np.add.reduceat(per_token, [0, *bounds[:-1].tolist()], dtype=np.float64) if len(docs) else np.zeros(0)
     )

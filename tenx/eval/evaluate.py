@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tenx import rundir
+from tenx.checkpoint.models import load_model
 from tenx.data.codebase import DEFAULT_MAX_FILE_BYTES, read_codebase
 from tenx.data.manifest import read_manifest
 from tenx.data.prepare.clean import CleaningStats, clean_text
@@ -13,9 +14,8 @@ from tenx.data.prepare.sources import iter_documents
 from tenx.data.tokenizer import load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.eval.adaptive import AdaptConfig, adaptive_report
-from tenx.eval.bpb import combine, eval_split, eval_texts
+from tenx.eval.bpb import Scoring, combine, eval_split, eval_texts
 from tenx.eval.documents import check_texts
-from tenx.checkpoint.models import load_model
 from tenx.hardware import resolve_precision
 from tenx.utils.io import atomic_write_json
 
@@ -86,6 +86,7 @@ def evaluate(
         raise TenxError(f"--stride must be >= 1, got {stride}")
     stride = min(stride or seq_len, seq_len)
     amp_dtype = resolve_precision(precision, next(loaded.model.parameters()).device)
+    scoring = Scoring(batch_size, stride, amp_dtype)
     data_dir = loaded.data_dir
     manifest = read_manifest(data_dir)
     tokenizer = load_tokenizer(data_dir, manifest["tokenizer"])
@@ -107,9 +108,7 @@ def evaluate(
                 name,
                 data_dir,
                 tokenizer,
-                batch_size,
-                stride,
-                amp_dtype,
+                scoring,
                 decontaminate,
                 breakdown,
                 ngram,
@@ -154,9 +153,7 @@ def _by_document(
     name: str,
     data_dir: Path,
     tokenizer: Any,
-    batch_size: int,
-    stride: int | None,
-    amp_dtype: Any,
+    scoring: Scoring,
     decontaminate: bool,
     breakdown: bool,
     ngram: int,
@@ -190,7 +187,7 @@ def _by_document(
         report = contamination_report(
             data_dir, docs, ngram, DEFAULT_CONTAMINATION_THRESHOLD if threshold is None else threshold
         )
-    nll = document_nll(model, docs, tokenizer.eot_id, batch_size, stride=stride, amp_dtype=amp_dtype)
+    nll = document_nll(model, docs, tokenizer.eot_id, scoring)
     result = score_documents(
         docs,
         nll,
