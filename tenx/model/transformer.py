@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from tenx.model.config import ModelConfig
+from tenx.model.soft_targets import SoftTargets, soft_cross_entropy_sums
 
 
 class RMSNorm(nn.Module):
@@ -204,12 +205,31 @@ class Transformer(nn.Module):
         targets_BT: torch.Tensor | None = None,
         on_block_output: Callable[[int, torch.Tensor], None] | None = None,
         loss_dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        teacher: SoftTargets | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits (B, T, V); with `targets_BT`, (loss, mean cross-entropy) instead, from
         `linear_cross_entropy`: the output layer and the loss in chunks, never the whole logits tensor.
 
         `on_block_output(i, x_BTD)`, when given, sees each block's output (monitoring). `loss_dtype`: the
-        dtype of the loss arithmetic (fp32; float64 on triage's reference path)."""
+        dtype of the loss arithmetic (fp32; float64 on triage's reference path). `teacher`: distil from its
+        distribution on these tokens; the result is then (loss, mean cross-entropy, distillation figures)
+        (see `linear_cross_entropy`)."""
+        x_BTD = self.features(tokens_BT, on_block_output)
+        if targets_BT is None:
+            return self.lm_head(x_BTD)
+        return linear_cross_entropy(
+            x_BTD.flatten(0, 1),
+            self.lm_head.weight,
+            targets_BT.flatten(),
+            self.cfg.z_loss,
+            loss_dtype,
+            teacher,
+        )
+
+    def features(
+        self, tokens_BT: torch.Tensor, on_block_output: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """The output layer's input (B, T, D): the last block's output, normalised."""
         T = tokens_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -225,15 +245,7 @@ class Transformer(nn.Module):
                 x_BTD = block(x_BTD, rope)
             if on_block_output is not None:
                 on_block_output(i, x_BTD)
-        if targets_BT is None:
-            return self.lm_head(self.final_norm(x_BTD))
-        return linear_cross_entropy(
-            self.final_norm(x_BTD).flatten(0, 1),
-            self.lm_head.weight,
-            targets_BT.flatten(),
-            self.cfg.z_loss,
-            loss_dtype,
-        )
+        return self.final_norm(x_BTD)
 
 
 def lm_loss(
@@ -265,6 +277,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     instead of the (N, V) logits and their log-softmax that the plain loss keeps. The matmuls run in
     `compute_dtype` (the autocast dtype, as the plain linear under autocast would), the loss arithmetic in
     `loss_dtype`. Only the loss carries a gradient: the cross-entropy output is for logging.
+
+    With a `teacher`, each chunk's teacher log-probabilities are made beside it (tenx.model.soft_targets),
+    the loss is (1 - w) * CE + w * H(teacher, student) (+ z-loss), whose gradient with respect to the logits
+    is softmax - (1 - w) * onehot - w * teacher probabilities, and a third output holds the distillation
+    figures (see `linear_cross_entropy`).
     """
 
     @staticmethod
@@ -276,8 +293,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         z_loss: float,
         loss_dtype: torch.dtype,
         compute_dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        teacher: SoftTargets | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         N, V = x_ND.shape[0], weight_VD.shape[0]
+        w = teacher.weight if teacher is not None else 0.0
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # type: ignore[attr-defined]
         w_VD = weight_VD.to(compute_dtype)
         grad_x_ND = torch.empty_like(x_ND) if needs_grad else None
@@ -286,6 +305,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         ce_sum = torch.zeros((), dtype=loss_dtype, device=x_ND.device)
         z_sum = torch.zeros((), dtype=loss_dtype, device=x_ND.device)
+        distill_sums = torch.zeros(2, dtype=loss_dtype, device=x_ND.device)  # H(teacher, student), H(teacher)
         chunk = max(1, min(N, CHUNK_ELEMENTS // max(V, 1)))
         for start in range(0, N, chunk):
             end = min(N, start + chunk)
@@ -296,13 +316,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ce_sum += (lse_C - logits_CV.gather(1, target_C[:, None]).squeeze(1)).sum()
             if z_loss:
                 z_sum += lse_C.square().sum()
+            if teacher is not None:
+                teacher_logp_CV = teacher.log_probs(start, end, compute_dtype, loss_dtype)
+                p_CV, cross, entropy = soft_cross_entropy_sums(teacher_logp_CV, logits_CV - lse_C[:, None])
+                distill_sums += torch.stack([cross, entropy])
             if not needs_grad:
                 continue
             # d(loss)/d(logits): (softmax - onehot) / N, and z * 2 * lse * softmax / N from the z-loss
             grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
             if z_loss:
                 grad_CV.mul_((1.0 + 2.0 * z_loss * lse_C)[:, None])
-            grad_CV[torch.arange(end - start, device=grad_CV.device), target_C] -= 1.0
+            grad_CV[torch.arange(end - start, device=grad_CV.device), target_C] -= 1.0 - w
+            if w:
+                grad_CV.sub_(p_CV, alpha=w)
             grad_CV = grad_CV.div_(N).to(compute_dtype)
             assert grad_x_ND is not None and grad_w_VD is not None
             grad_x_ND[start:end] = grad_CV @ w_VD
@@ -311,21 +337,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_w_VD += (grad_CV.t() @ x_CD).to(loss_dtype)
         ce = ce_sum / N
-        loss = ce + z_loss * z_sum / N if z_loss else ce.clone()
+        loss = (1.0 - w) * ce + w * distill_sums[0] / N if w else ce.clone()
+        if z_loss:
+            loss = loss + z_loss * z_sum / N
         if needs_grad:
             assert grad_w_VD is not None
             ctx.save_for_backward(grad_x_ND, grad_w_VD.to(weight_VD.dtype))
-        ctx.mark_non_differentiable(ce)
-        return loss, ce
+        if teacher is None:
+            ctx.mark_non_differentiable(ce)
+            return loss, ce
+        figures = torch.stack([distill_sums[0], distill_sums[0] - distill_sums[1]]) / N
+        ctx.mark_non_differentiable(ce, figures)
+        return loss, ce, figures
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, grad_ce: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, *grad_figures: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         grad_x_ND, grad_w_VD = ctx.saved_tensors  # type: ignore[attr-defined]
         return (
             grad_x_ND * grad_loss.to(grad_x_ND.dtype),
             grad_w_VD * grad_loss.to(grad_w_VD.dtype),
+            None,
             None,
             None,
             None,
@@ -339,7 +372,8 @@ def linear_cross_entropy(
     targets_N: torch.Tensor,
     z_loss: float = 0.0,
     loss_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher: SoftTargets | None = None,
+) -> tuple[torch.Tensor, ...]:
     """(total loss to optimise, mean cross-entropy in nats/token) of logits `x_ND @ weight_VD.T`.
 
     When the logits fit in one chunk (N * V <= CHUNK_ELEMENTS: every CPU-sized model) this is the linear
@@ -347,13 +381,31 @@ def linear_cross_entropy(
     2048 tokens x 8192 classes). Above that, `_LinearCrossEntropy` computes it in chunks, never holding
     the (N, V) logits, equal to `lm_loss` up to rounding (gpt2-d12's micro-batch of 32 x 1024 tokens over
     32768 classes: 2 GB of bf16 logits, plus their fp32 copy and log-softmax, become 16 chunks). Under
-    autocast the matmuls run in the autocast dtype, as a linear layer's would."""
-    if x_ND.shape[0] * weight_VD.shape[0] <= CHUNK_ELEMENTS:
-        return lm_loss(F.linear(x_ND, weight_VD)[None], targets_N[None], z_loss, loss_dtype)
+    autocast the matmuls run in the autocast dtype, as a linear layer's would.
+
+    With a `teacher` (distillation, weight w = teacher.weight): the loss is (1 - w) * CE + w * H(teacher,
+    student) (+ the z-loss, unweighted), and a third output holds, without gradient, [mean H(teacher,
+    student), mean KL(teacher || student)] in nats/token. With w = 0 the loss and its gradient are those
+    without a teacher, bit for bit."""
     device_type = x_ND.device.type
     compute_dtype = x_ND.dtype
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
+    N = x_ND.shape[0]
+    if N * weight_VD.shape[0] <= CHUNK_ELEMENTS:
+        logits_NV = F.linear(x_ND, weight_VD)
+        loss, ce = lm_loss(logits_NV[None], targets_N[None], z_loss, loss_dtype)
+        if teacher is None:
+            return loss, ce
+        w = teacher.weight
+        logq_NV = torch.log_softmax((logits_NV if w else logits_NV.detach()).to(loss_dtype), dim=-1)
+        _, cross, entropy = soft_cross_entropy_sums(
+            teacher.log_probs(0, N, compute_dtype, loss_dtype), logq_NV
+        )
+        if w:  # (1 - w) * CE + w * H, from lm_loss's CE (+ z-loss)
+            loss = loss + w * (cross / N - ce)
+        return loss, ce, torch.stack([cross, cross - entropy]).detach() / N
     with torch.autocast(device_type, enabled=False):
-        loss, ce = _LinearCrossEntropy.apply(x_ND, weight_VD, targets_N, z_loss, loss_dtype, compute_dtype)
-    return loss, ce
+        return _LinearCrossEntropy.apply(  # type: ignore[no-any-return]
+            x_ND, weight_VD, targets_N, z_loss, loss_dtype, compute_dtype, teacher
+        )
