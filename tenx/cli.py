@@ -30,7 +30,7 @@ from tenx.utils.storage import STORAGE_ERRNOS, storage_error
 
 REGISTRATIONS = (
     data_cli.register,  # data prepare, data index
-    commands_cli.register,  # train (--supervise: tenx/launch/supervise.py), quickstart
+    commands_cli.register,  # train (--supervise: tenx/launch/supervise.py), ensemble, quickstart
     monitor_cli.register,  # status
     dashboard_cli.register,  # dashboard, report
     triage_cli.register,  # incidents, replay, triage

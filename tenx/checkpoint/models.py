@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from tenx.model.config import ModelConfig
 from tenx.model.ensemble import Ensemble
 from tenx.model.flops import count_params
 from tenx.model.transformer import Transformer
-from tenx.utils.io import read_regular_file
+from tenx.utils.io import atomic_write_json, read_regular_file
 
 
 @dataclass
@@ -71,17 +72,7 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
     """
     if Path(target).is_dir() and rundir.RunDir(target).ensemble.exists():
         return load_ensemble(target, device)
-    path, run_dir = resolve_checkpoint(target)
-    meta = ckpt.verify_checkpoint(path, require=_EVAL_FIELDS)
-    model_cfg = _model_config(path, meta["model"])
-    stored = ckpt.read_dcp_metadata(path, meta).state_dict_metadata
-    held = sum(math.prod(e.size) for k, e in stored.items() if k.startswith("model.") and hasattr(e, "size"))
-    params = count_params(model_cfg).total
-    if params > held:  # held counts a tied weight twice: fewer parameters than it holds is not an error here
-        raise CheckpointError(
-            f"checkpoint {path}: its manifest records a model of {params:,} parameters, but it holds only "
-            f"{held:,} model values"
-        )
+    path, run_dir, meta, model_cfg = verified_model(target)
     dev = pick_device(device, "--device")
     if dev.type == "cpu":
         tune_cpu_allocator()
@@ -96,6 +87,27 @@ def load_model(target: str | Path, device: str = "auto") -> LoadedModel:
     set_model_state_dict(model, tensors["model"])
     model.eval()
     return LoadedModel(model, path, meta, run_dir)
+
+
+def verified_model(target: str | Path) -> tuple[Path, Path | None, dict[str, Any], ModelConfig]:
+    """(checkpoint, run dir or None, manifest, model config) of a run directory's newest verified checkpoint
+    or of a checkpoint directory: every file hashed once, the config valid, and the model it records no
+    larger than the tensors its DCP metadata lists. No weight is loaded."""
+    path, run_dir = resolve_checkpoint(target)
+    if path == Path(target):  # a checkpoint directory: not verified yet (latest_verified verified the other)
+        meta = ckpt.verify_checkpoint(path, require=_EVAL_FIELDS)
+    else:
+        meta = ckpt.read_checkpoint_meta(path, require=_EVAL_FIELDS)
+    model_cfg = _model_config(path, meta["model"])
+    stored = ckpt.read_dcp_metadata(path, meta).state_dict_metadata
+    held = sum(math.prod(e.size) for k, e in stored.items() if k.startswith("model.") and hasattr(e, "size"))
+    params = count_params(model_cfg).total
+    if params > held:  # held counts a tied weight twice: fewer parameters than it holds is not an error here
+        raise CheckpointError(
+            f"checkpoint {path}: its manifest records a model of {params:,} parameters, but it holds only "
+            f"{held:,} model values"
+        )
+    return path, run_dir, meta, model_cfg
 
 
 _EVAL_FIELDS = ("model", "tokens")
@@ -136,6 +148,26 @@ def ensemble_members(target: str | Path) -> list[Path]:
     return paths
 
 
+def ensemble_member(target: str | Path, member: int | None, flag: str = "--member") -> Path:
+    """`target`, or with `member` the run directory of that member of the ensemble in `target`. For what takes
+    one model (export): an ensemble without `member` is refused with what to give instead, and so is
+    `member` of a single run."""
+    is_ensemble = Path(target).is_dir() and rundir.RunDir(target).ensemble.exists()
+    if member is None and not is_ensemble:
+        return Path(target)
+    if not is_ensemble:
+        raise CheckpointError(f"{flag} {member}: {target} is not an ensemble (it has no {rundir.ENSEMBLE})")
+    members = ensemble_members(target)
+    if member is None:
+        raise CheckpointError(
+            f"{target} is an ensemble of {len(members)} members, not one model: pick one with {flag} K "
+            f"(0 to {len(members) - 1}), or give a member's run directory ({members[0]})"
+        )
+    if not 0 <= member < len(members):
+        raise CheckpointError(f"{flag} {member}: {target} has members 0 to {len(members) - 1}")
+    return members[member]
+
+
 def load_ensemble(target: str | Path, device: str = "auto") -> LoadedModel:
     """Every member of the ensemble in `target` (each loaded and verified as `load_model` does), as one
     `Ensemble`; the returned checkpoint and metadata are member 0's, with "members" (their checkpoints)
@@ -153,6 +185,47 @@ def load_ensemble(target: str | Path, device: str = "auto") -> LoadedModel:
         raise CheckpointError(f"ensemble {target}: {e}") from None
     meta = dict(loaded[0].meta, members=[str(m.checkpoint) for m in loaded])
     return LoadedModel(model, loaded[0].checkpoint, meta, Path(target))
+
+
+def assemble_ensemble(runs: list[str | Path], out: str | Path) -> Path:
+    """Write `out`/ensemble.json listing the finished `runs` (run or checkpoint directories) as one ensemble;
+    returns its path. Each member is verified (every file hashed once, no weight loaded) and must share the
+    first's tokenizer, vocabulary and seq_len (the error names the run). A member inside `out` is written
+    relative to it, any other absolute. An existing manifest (or anything else at its path) is never
+    replaced."""
+    out = Path(out)
+    manifest = rundir.RunDir(out).ensemble
+    if os.path.lexists(manifest):
+        raise CheckpointError(f"{manifest} exists; choose another --out (an ensemble is never overwritten)")
+    if not 1 <= len(runs) <= MAX_MEMBERS:
+        raise CheckpointError(f"an ensemble lists 1 to {MAX_MEMBERS} runs, got {len(runs)}")
+    entries: list[str] = []
+    first: tuple[Path, dict[str, Any]] | None = None
+    for run in map(Path, runs):
+        if run.is_dir() and rundir.RunDir(run).ensemble.exists():
+            raise CheckpointError(f"{run} is an ensemble itself; list its members instead")
+        path, _, meta, cfg = verified_model(run)
+        shape = {
+            "tokenizer": (meta.get("data_tokenizer") or {}).get("xxhash"),
+            "vocab_size": cfg.vocab_size,
+            "seq_len": cfg.seq_len,
+        }
+        if first is None:
+            first = (run, shape)
+        for key, value in shape.items():
+            if value != first[1][key]:
+                raise CheckpointError(
+                    f"{run}: its {key} ({value}) is not {first[0]}'s ({first[1][key]}); an ensemble's members "
+                    "share the tokenizer, the vocabulary and seq_len"
+                )
+        member = run.resolve()
+        entry = member.relative_to(out.resolve()) if member.is_relative_to(out.resolve()) else member
+        if str(entry) in entries or str(entry) == ".":
+            raise CheckpointError(f"{run} is listed twice (or is --out itself)")
+        entries.append(str(entry))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(manifest, {"members": entries})
+    return manifest
 
 
 def _model_config(path: Path, recorded: dict[str, Any]) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""The commands that start runs: `tenx train` (in this process, or supervised: restarted after failures)
-and `tenx quickstart` (prepare, train and evaluate on the standard library; tenx/quickstart.py).
+"""The commands that start runs: `tenx train` (in this process, or supervised: restarted after failures;
+an ensemble's members one after another, tenx/train/members.py), `tenx ensemble` (finished runs listed as
+one ensemble) and `tenx quickstart` (prepare, train and evaluate on the standard library; tenx/quickstart.py).
 
 The supervisor's flags (`--max-restarts`, `--backoff`, `--launcher`, ...) are generated from the fields of
 SupervisorConfig, the `[supervisor]` section (tenx/launch/supervise.py). `tenx train ... --emit slurm`
@@ -60,6 +61,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise TenxError(
             f"{', '.join(emit_only)}: only with --emit slurm (they describe the Slurm job it writes)"
         )
+    if cfg.model.ensemble > 1 and (args.emit or args.supervise):
+        raise TenxError(
+            f"{'--emit slurm' if args.emit else '--supervise'} with model.ensemble={cfg.model.ensemble}: "
+            "not for an ensemble yet; train it without, and continue it with --resume auto"
+        )
     if args.emit:
         path = emit_train_job(args, cfg, config_path, run_dir, overrides)
         print(
@@ -88,6 +94,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     extra = [*watch_callbacks(cfg), *([init] if init else [])]
     trainer, metrics = train(cfg, run_dir, resume=args.resume, extra_callbacks=extra)
     if trainer.rank != 0:  # under torchrun the summary is the run's, printed once
+        return
+    if "members" in metrics:  # an ensemble (tenx/train/members.py): each member's summary, then the whole's
+        for i, member in enumerate(metrics["members"]):
+            fields = {k: member.get(k) for k in ("step", "tokens", "loss", "val_loss")} if member else {}
+            print(json.dumps({"member": i, **(fields or {"finished": "before this resume"})}))
+        status = shlex.join(["tenx", "status", str(RunDir(run_dir).member(0))])
+        evaluate = shlex.join(["tenx", "eval", str(run_dir)])
+        print(f"ensemble: {metrics['ensemble']}  (evaluate: {evaluate}; a member: {status})")
         return
     if metrics:
         print(
@@ -271,8 +285,27 @@ def _quickstart_arguments(qp: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_ensemble(args: argparse.Namespace) -> None:
+    """List finished runs as one ensemble: write OUT/ensemble.json (tenx.checkpoint.models)."""
+    from tenx.checkpoint.models import assemble_ensemble
+
+    path = assemble_ensemble(args.runs, args.out)
+    print(f"wrote {path}: an ensemble of {len(args.runs)} runs; evaluate it with `tenx eval {args.out}`")
+
+
+def _ensemble_arguments(ep: argparse.ArgumentParser) -> None:
+    ep.add_argument(
+        "runs", nargs="+", metavar="RUN", help="finished run directories (or checkpoint directories)"
+    )
+    ep.add_argument(
+        "--out", required=True, help="the ensemble's directory: writes OUT/ensemble.json, never replaces one"
+    )
+
+
 def register(subparsers: Any) -> None:
-    """Register `tenx train` and `tenx quickstart` on the CLI's subparsers."""
+    """Register `tenx train`, `tenx ensemble` and `tenx quickstart` on the CLI's subparsers."""
     subcommand(subparsers, "train", "train a model from a TOML config", cmd_train, _train_arguments)
+    about = "list finished runs as one ensemble (the average of their probabilities)"
+    subcommand(subparsers, "ensemble", about, cmd_ensemble, _ensemble_arguments)
     about = "prepare the stdlib corpus, train, evaluate against xz"
     subcommand(subparsers, "quickstart", about, cmd_quickstart, _quickstart_arguments)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tenx.utils.cli import subcommand
+from tenx.utils.cli import at_least, subcommand
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -13,7 +13,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tenx.export.hf import export_hf, format_export_summary, quiet_library_logs
 
     with quiet_library_logs():
-        summary = export_hf(args.target, args.out, checkpoint=args.checkpoint)
+        summary = export_hf(args.target, args.out, checkpoint=args.checkpoint, member=args.member)
     print(format_export_summary(summary))
 
 
@@ -29,6 +29,12 @@ def _export_arguments(xp: argparse.ArgumentParser) -> None:
     xp.add_argument(
         "--checkpoint",
         help="export this checkpoint (a path, or a step_XXXXXXXX name in the run's checkpoints)",
+    )
+    xp.add_argument(
+        "--member",
+        type=at_least(int, 0, 63),
+        metavar="K",
+        help="export member K of an ensemble (an ensemble's run directory is refused without one)",
     )
 
 

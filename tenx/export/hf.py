@@ -33,9 +33,9 @@ import tenx
 from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx import rundir
+from tenx.checkpoint.models import ensemble_member, load_model, resolve_checkpoint
 from tenx.data.tokenizer import EOT_TEXT, BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import ConfigError, DataError, TenxError
-from tenx.checkpoint.models import load_model, resolve_checkpoint
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Block, Transformer
 from tenx.utils.io import FILE_MODE, atomic_write_json, publish_dir, staging_dir
@@ -99,9 +99,12 @@ def hf_architecture(cfg: ModelConfig) -> str:
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
-def export_hf(target: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> dict[str, Any]:
+def export_hf(
+    target: str | Path, out: str | Path, checkpoint: str | Path | None = None, member: int | None = None
+) -> dict[str, Any]:
     """Write the model of `target` (a run directory's newest verified checkpoint, or a checkpoint directory;
-    `checkpoint` picks another) as a `transformers` model directory `out`; returns a summary.
+    `checkpoint` picks another; `member` K: member K of the ensemble `target`, which is refused without
+    one) as a `transformers` model directory `out`; returns a summary.
 
     The summary holds `out`, `architecture`, `checkpoint`, `step`, `params`, `max_abs_logit_diff` (exported
     model against tenx's, measured on the written files), `tokenizer` ("bpe", "bytes" or None) and
@@ -110,7 +113,7 @@ def export_hf(target: str | Path, out: str | Path, checkpoint: str | Path | None
     transformers = _import_transformers()
     out = Path(out)
     check_output_dir(out)  # before any work: a refusal costs nothing (checked again before publishing)
-    path, run_dir = _pick_checkpoint(target, checkpoint)
+    path, run_dir = _pick_checkpoint(ensemble_member(target, member), checkpoint)
     meta = ckpt.read_checkpoint_meta(path, require=("model",))
     try:
         recorded = cfglib.from_dict(ModelConfig, meta["model"], "model")

@@ -72,6 +72,13 @@ class ModelConfig:
         help="dropout probability on the embeddings and on each attention and MLP output while training "
         "(a regulariser when data repeats for several epochs; 0: none)",
     )
+    ensemble: int = field(
+        1,
+        ge=1,
+        le=64,
+        help="members of an ensemble trained from seeds train.seed + k into RUN/members/K, one after another; "
+        "eval, compress and sample average their probabilities (1: one model)",
+    )
 
     def validate(self) -> None:
         """Check bounds and divisibility; names the offending field."""

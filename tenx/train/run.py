@@ -29,6 +29,7 @@ from tenx.train.callbacks.stats import ModelStats
 from tenx.train.callbacks.wandb_sink import WandbSink
 from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
+from tenx.train.members import check_single_run_dir, train_ensemble
 from tenx.train.trainer import Callback, Trainer
 from tenx.utils.lock import exclusive_writer
 from tenx.utils.storage import describe_storage_problem, ensure_writable
@@ -95,7 +96,11 @@ def train(
     """Train `cfg` into `run_dir`. `resume`: None (fresh; refuses a run dir with checkpoints), 'auto', or a path.
     `resume_hint`: what a stop signal's message says continues the run (default `--resume auto`).
     The run directory is made a RunDir here, once: the trainer, its parts and its callbacks
-    (`trainer.rundir`) take their paths from it."""
+    (`trainer.rundir`) take their paths from it. With model.ensemble = K > 1 it trains K members into
+    RUN/members/K, one after another (tenx/train/members.py)."""
+    if cfg.model.ensemble > 1:
+        return train_ensemble(cfg, run_dir, train, resume, extra_callbacks, resume_hint)
+    check_single_run_dir(run_dir)
     run = RunDir(run_dir)
     ensure_writable(run.root, "run directory")
     env = dist_env()
