@@ -212,8 +212,8 @@ def test_read_table_formats_filters_and_holdout(tmp_path):
     table = read_table(csv_path, filters=["dataset=a"], holdout="params>=1e9")
     assert [r["name"] for r in table.fit_rows] == ["r0", "r1"]
     assert [r["name"] for r in table.holdout_rows] == ["r3", "r4"]
-    assert np.allclose(table.N, [1e7, 1e8]) and np.allclose(table.C, 6 * table.N * table.D)
-    assert np.all(np.isnan(table.U))
+    assert np.allclose(table.fit.N, [1e7, 1e8]) and np.allclose(table.fit.C, 6 * table.fit.N * table.fit.D)
+    assert np.all(np.isnan(table.fit.U))
     # numbers compare as numbers ("1e9" == "1000000000.0"); and-ed comparisons; string equality
     assert len(read_table(csv_path, holdout="params==1e9").holdout_rows) == 1
     assert [r["name"] for r in read_table(csv_path, holdout="params>=1e8 & dataset==a").holdout_rows] == [
@@ -231,7 +231,7 @@ def test_read_table_formats_filters_and_holdout(tmp_path):
     (ladder / "results.jsonl").write_text("\n".join(lines) + "\n\n")
     for source in (ladder, ladder / "results.jsonl"):
         t = read_table(source, filters=["dataset=b"])
-        assert t.C.tolist() == [3e18] and t.U.tolist() == [1e12]
+        assert t.fit.C.tolist() == [3e18] and t.fit.U.tolist() == [1e12]
 
 
 def test_read_table_errors_name_file_line_and_column(tmp_path):

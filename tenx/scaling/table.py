@@ -135,26 +135,6 @@ class Table:
     columns: dict[str, str] = field(default_factory=dict)
     holdout_expr: str | None = None
 
-    @property
-    def N(self) -> np.ndarray:
-        return self.fit.N
-
-    @property
-    def D(self) -> np.ndarray:
-        return self.fit.D
-
-    @property
-    def L(self) -> np.ndarray:
-        return self.fit.L
-
-    @property
-    def C(self) -> np.ndarray:
-        return self.fit.C
-
-    @property
-    def U(self) -> np.ndarray:
-        return self.fit.U
-
     def with_fit_rows(self, keep: np.ndarray) -> Table:
         """A table fitting only the fit rows where `keep` is true (the holdout rows stay as they are)."""
         keep = np.asarray(keep, dtype=bool)
