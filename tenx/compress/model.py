@@ -16,12 +16,14 @@ import numpy as np
 import torch
 
 from tenx import checkpoint as ckpt
+from tenx.checkpoint.models import LoadedModel, load_model
 from tenx.compress.fixed import GRID_BITS, FixedWeights
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
-from tenx.checkpoint.models import LoadedModel, load_model
+from tenx.model.ensemble import Ensemble
 from tenx.model.transformer import Transformer
+from tenx.rundir import RunDir
 from tenx.utils.io import file_xxhash
 
 _ESCAPED = re.compile("([\udc80-\udcff]+)")
@@ -64,6 +66,13 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
     """The model of a run or checkpoint directory (or one loaded already) with what coding needs."""
     if isinstance(target, CodecModel):
         return target
+    if _is_ensemble(target):
+        raise TenxError(
+            f"{getattr(target, 'run_dir', None) or target} is an ensemble: the .tenx formats (1 to 4) code "
+            "with one model's probabilities and name one checkpoint in their header, so they cannot code an "
+            "ensemble's mixture; compress with one member (give its run directory, RUN/members/K), or "
+            "measure the mixture's code length with `tenx eval` (its bits per byte)"
+        )
     loaded = target if isinstance(target, LoadedModel) else load_model(target, device)
     if loaded.model.cfg.vocab_size is None:
         raise TenxError(f"checkpoint {loaded.checkpoint}: its model has no vocabulary size")
@@ -101,6 +110,13 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
         model_hash=file_xxhash(loaded.checkpoint / ckpt.MANIFEST),
         tokenizer_hash=str(entry["xxhash"]),
     )
+
+
+def _is_ensemble(target: LoadedModel | str | Path) -> bool:
+    """Whether `target` is an ensemble (loaded, or a directory with an ensemble manifest)."""
+    if isinstance(target, LoadedModel):
+        return isinstance(target.model, Ensemble)
+    return Path(target).is_dir() and RunDir(target).ensemble.exists()
 
 
 def _byte_level_chars() -> list[str]:
