@@ -457,6 +457,23 @@ FAKE_PEER = textwrap.dedent(
 )
 
 
+def _sync_group(run_dir: Path, data_dir: Path, lighthouse: str, *overrides: str) -> list[str]:
+    """The command of one group of a synchronous two-group job: the tiny config, one thread, quiet."""
+    cmd = [sys.executable, "-m", "tenx", "train", "--config", "tiny", "--run-dir", str(run_dir)]
+    for item in (
+        f'data.dir="{data_dir}"',
+        "train.threads=1",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "parallel.replicas.mode=sync",
+        "parallel.replicas.groups=2",
+        f"parallel.replicas.lighthouse={lighthouse}",
+        *overrides,
+    ):
+        cmd += ["--set", item]
+    return cmd
+
+
 def _hostile_heal(tmp_path: Path, data_dir: Path, body: bytes, *, secret: str | None, mac: str = "") -> tuple:
     """A lighthouse, a fake group 0 serving `body`, and a real group 1 that must heal from it."""
     from tenx.parallel.lighthouse import start_lighthouse
@@ -474,20 +491,14 @@ def _hostile_heal(tmp_path: Path, data_dir: Path, body: bytes, *, secret: str | 
         env=env,
         cwd=tmp_path,
     )
-    cmd = [sys.executable, "-m", "tenx", "train", "--config", "tiny", "--run-dir", str(tmp_path / "g1")]
-    for item in (
-        f'data.dir="{data_dir}"',
+    cmd = _sync_group(
+        tmp_path / "g1",
+        data_dir,
+        address,
         "train.steps=50",
-        "train.threads=1",
-        "log.progress=false",
-        "log.tensorboard=false",
-        "parallel.replicas.mode=sync",
-        "parallel.replicas.groups=2",
         "parallel.replicas.min_groups=2",
-        f"parallel.replicas.lighthouse={address}",
         "parallel.replicas.timeout_s=10",
-    ):
-        cmd += ["--set", item]
+    )
     genv = {**env, "TENX_REPLICA_GROUP": "1", **({"TENX_REPLICA_SECRET": secret} if secret else {})}
     try:
         real = subprocess.run(cmd, capture_output=True, text=True, env=genv, cwd=tmp_path, timeout=120)
@@ -565,28 +576,13 @@ def test_lighthouse_and_two_groups_listen_only_on_loopback(tiny_data, tmp_path):
     try:
         assert "serving on" in lighthouse.stdout.readline()
         for g in (0, 1):
-            cmd = [
-                sys.executable,
-                "-m",
-                "tenx",
-                "train",
-                "--config",
-                "tiny",
-                "--run-dir",
-                str(tmp_path / f"g{g}"),
-            ]
-            for item in (
-                f'data.dir="{tiny_data}"',
+            cmd = _sync_group(
+                tmp_path / f"g{g}",
+                tiny_data,
+                f"http://127.0.0.1:{port}",
                 "train.steps=100000",
-                "train.threads=1",
-                "log.progress=false",
-                "log.tensorboard=false",
                 "checkpoint.every=100000",
-                "parallel.replicas.mode=sync",
-                "parallel.replicas.groups=2",
-                f"parallel.replicas.lighthouse=http://127.0.0.1:{port}",
-            ):
-                cmd += ["--set", item]
+            )
             log = open(tmp_path / f"g{g}.log", "w")
             groups.append(
                 subprocess.Popen(
