@@ -76,8 +76,8 @@ class ModelConfig:
         1,
         ge=1,
         le=64,
-        help="members of an ensemble trained from seeds train.seed + k into RUN/members/K, one after another; "
-        "eval, compress and sample average their probabilities (1: one model)",
+        help="members of an ensemble, trained with seeds train.seed + K into RUN/members/K one after "
+        "another; eval and sample read the average of their probabilities (1: one model)",
     )
 
     def validate(self) -> None:
