@@ -20,6 +20,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -95,17 +97,24 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _pair(template=None, secret=None, peer_secret=b"same"):
+@contextmanager
+def _pair(
+    template=None, secret=None, peer_secret=b"same"
+) -> Iterator[tuple[TensorTransport, TensorTransport]]:
+    """A sending and a receiving transport, both shut down on leaving."""
     sender = TensorTransport("127.0.0.1", TIMEOUT, secret=secret if peer_secret == b"same" else peer_secret)
     receiver = TensorTransport("127.0.0.1", TIMEOUT, secret=secret, template=template)
-    return sender, receiver
+    try:
+        yield sender, receiver
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
 
 
 # ----- the format -----------------------------------------------------------------------------------
 def test_round_trip_of_a_training_state_is_exact_over_http():
     state = _training_state()
-    sender, receiver = _pair(template=lambda: _training_state())
-    try:
+    with _pair(template=lambda: _training_state()) as (sender, receiver):
         sender.send_checkpoint([1], 7, state, TIMEOUT)
         got = receiver.recv_checkpoint(0, sender.metadata(), 7, TIMEOUT)
         assert _equal(state, got)
@@ -116,9 +125,6 @@ def test_round_trip_of_a_training_state_is_exact_over_http():
         while sender.sent < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sender.sent == 1 and receiver.received == 1 and receiver.refused is None
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
 
 
 def test_objects_are_refused_when_sent_not_pickled():
@@ -166,41 +172,29 @@ def test_hostile_payloads_are_refused_and_run_nothing(name, tmp_path):
         with pytest.raises(ValueError):
             decode_state(body)
     # and over the wire, served by a peer: refused with the peer's address, nothing run
-    sender, receiver = _pair()
-    try:
+    with _pair() as (sender, receiver):
         sender._step, sender._payload = 3, body
         with pytest.raises(PeerStateError, match=r"healing peer http://127\.0\.0\.1:\d+/tenx-peer/3"):
             receiver.recv_checkpoint(0, sender.metadata(), 3, TIMEOUT)
         assert receiver.refused is not None
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
     assert not marker.exists()
 
 
 def test_state_of_another_model_is_refused():
     other = _training_state()
     other["user"]["tenx"]["trainer"]["model"]["0.weight"] = torch.zeros(5, 5)
-    sender, receiver = _pair(template=_training_state)
-    try:
+    with _pair(template=_training_state) as (sender, receiver):
         sender.send_checkpoint([1], 1, other, TIMEOUT)
         with pytest.raises(PeerStateError, match=r"another model .*0\.weight: \(5, 5\)"):
             receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
 
 
 def test_oversized_state_is_refused_before_it_is_parsed():
     big = {"user": {"x": torch.zeros(20 * 2**20)}}  # 80 MB against a template of a few hundred bytes
-    sender, receiver = _pair(template=lambda: {"user": {"x": torch.zeros(4)}})
-    try:
+    with _pair(template=lambda: {"user": {"x": torch.zeros(4)}}) as (sender, receiver):
         sender.send_checkpoint([1], 1, big, TIMEOUT)
         with pytest.raises(PeerStateError, match="sent more than"):
             receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -223,8 +217,7 @@ def test_shared_secret_authenticates_both_directions():
     state = _training_state()
     secret = SECRET.encode()
     # the same secret: accepted
-    sender, receiver = _pair(secret=secret)
-    try:
+    with _pair(secret=secret) as (sender, receiver):
         sender.send_checkpoint([1], 2, state, TIMEOUT)
         assert _equal(receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT), state)
         # a stranger without the secret cannot download the weights
@@ -234,19 +227,12 @@ def test_shared_secret_authenticates_both_directions():
         forged = urllib.request.Request(sender.metadata() + "2", headers={AUTH_HEADER: "0" * 64})
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(forged, timeout=5)
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
     # a peer with another secret (or none) is refused: its request is rejected or its body's MAC is wrong
     for peer_secret in (b"another-secret-of-16-chars", None):
-        sender, receiver = _pair(secret=secret, peer_secret=peer_secret)
-        try:
+        with _pair(secret=secret, peer_secret=peer_secret) as (sender, receiver):
             sender.send_checkpoint([1], 2, state, TIMEOUT)
             with pytest.raises(PeerStateError, match=r"403|X-Tenx-Body-Mac"):
                 receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)
-        finally:
-            sender.shutdown()
-            receiver.shutdown()
 
 
 class _Clock:
