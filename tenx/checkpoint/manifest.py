@@ -191,7 +191,7 @@ def _check_manifest_fields(meta: dict[str, Any]) -> None:
                 f"{where}.betas",
                 "[beta1, beta2]",
             )
-    for key in ("model", "config", "data_tokenizer", "replicas"):
+    for key in ("model", "config", "data_tokenizer", "replicas", "teacher"):
         if key in meta:
             _need(type(meta[key]) is dict, key, "an object")
     for key in ("data_dir", "run_id", "tenx_version", "strategy"):

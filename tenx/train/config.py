@@ -90,6 +90,19 @@ class TrainConfig:
     )
     eval_every: int = field(100, ge=0, help="validation loss every N steps (0: only at the end)")
     eval_batches: int = field(16, ge=1, help="micro-batches of the validation split per evaluation")
+    distill_from: str = field(
+        "",
+        help="distil from a teacher: a run directory, a checkpoint or an ensemble directory (ensemble.json), "
+        "trained on this data's tokenizer; the loss becomes (1 - distill_weight) * CE(data) + distill_weight "
+        "* H(teacher, student) (docs/training.md#distillation); empty: off",
+    )
+    distill_weight: float = field(
+        0.5,
+        ge=0,
+        le=1,
+        help="train.distill_from: the weight of the teacher's term (0: the data loss alone; the teacher still "
+        "runs and is logged)",
+    )
 
     def validate(self) -> None:
         """Check that exactly one budget is set, the seed and the device; names the offending field."""

@@ -34,6 +34,7 @@ from tenx.rundir import RunDir
 from tenx.train.config import RunConfig, accumulation_steps
 from tenx.train.config import tokens_per_step as run_tokens_per_step
 from tenx.train.config import total_steps as run_total_steps
+from tenx.train.distill import Teacher, load_teacher
 from tenx.train.float8 import check_float8_support, convert_linears_to_float8
 from tenx.train.guard import StepGuard
 from tenx.train.optim import build_optimizer
@@ -100,6 +101,8 @@ class ModelParts:
     guard: StepGuard
     forward: Any
     """What the training forward calls: `model`, or `torch.compile(model)` with train.compile."""
+    teacher: Teacher | None = None
+    """The frozen teacher of train.distill_from (tenx.train.distill), None without distillation."""
 
 
 def build_model_parts(
@@ -108,11 +111,13 @@ def build_model_parts(
     device: torch.device,
     wrap: Callable[[Transformer], tuple[torch.nn.Module, str]] | None = None,
     compile: bool = False,
+    teacher: Teacher | None = None,
 ) -> ModelParts:
     """The run's initial model (seeded from train.seed), optimizer and guard, as training and replay start.
 
     `wrap` applies the parallel strategy (tenx.parallel.distributed.wrap_model) before the optimizer is
-    built, since FSDP2 replaces the parameters; replay runs the model as it is, uncompiled."""
+    built, since FSDP2 replaces the parameters; replay runs the model as it is, uncompiled. `teacher`, loaded
+    once by the caller (tenx.train.distill), joins the parts as it is."""
     seed_everything(cfg.train.seed)
     raw_model = Transformer(model_cfg).to(device)
     if cfg.train.precision == "fp8":  # before the wrapper and torch.compile, as torchao requires
@@ -120,7 +125,7 @@ def build_model_parts(
     model, strategy = wrap(raw_model) if wrap is not None else (raw_model, "none")
     optimizer = build_optimizer(raw_model, cfg.optim, device)
     forward = torch.compile(model) if compile else model
-    return ModelParts(raw_model, model, strategy, optimizer, StepGuard(cfg.guard), forward)
+    return ModelParts(raw_model, model, strategy, optimizer, StepGuard(cfg.guard), forward, teacher)
 
 
 @dataclass
@@ -245,6 +250,7 @@ class TrainerParts:
     optimizer = Part[torch.optim.Optimizer]("trained.optimizer")
     guard = Part[StepGuard]("trained.guard")
     forward = Part[Any]("trained.forward")
+    teacher = Part[Teacher | None]("trained.teacher")
     params = Part[ParamCount]("flops.params")
     flops_per_token = Part[int]("flops.per_token")
     peak_flops = Part[float]("flops.peak")
@@ -299,12 +305,15 @@ def build_parts(cfg: RunConfig, run_dir: str | Path | RunDir, env: DistEnv | Non
         rank=group_id * env.world_size + env.rank,
         world_size=data_parallel,
     )
+    # loaded before build_model_parts seeds the student: the numbers building the teacher draws change nothing
+    teacher = load_teacher(cfg, model_cfg, manifest["tokenizer"], device)
     built = build_model_parts(
         cfg,
         model_cfg,
         device,
         wrap=lambda m: wrap_model(m, cfg.parallel, device, env.world_size),
         compile=tc.compile,
+        teacher=teacher,
     )
 
     # Data skipped after rollbacks, kept beside the checkpoints so that a resume from a checkpoint older

@@ -34,6 +34,7 @@ from tenx.hardware import hardware_summary
 from tenx.parallel.distributed import broadcast_object
 from tenx.rundir import step_of
 from tenx.train.config import RunConfig
+from tenx.train.distill import check_same_teacher
 from tenx.train.hooks import Callback
 from tenx.train.parts import TrainerParts, memory_tier_dir
 from tenx.train.rng import numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state
@@ -204,6 +205,7 @@ class TrainerState(TrainerParts):
             "strategy": self.strategy,
             "threads": torch.get_num_threads(),  # part of the numerics: a count orders float reductions
             **({"replicas": self.replicas.state_dict()} if self.replicas is not None else {}),
+            **({"teacher": self.teacher.identity} if self.teacher is not None else {}),
         }
         checkpointer = self.memory_checkpointer if tier == "memory" else self.checkpointer
         assert checkpointer is not None, "checkpoint.memory_every is 0: there is no in-memory tier"
@@ -229,7 +231,9 @@ class TrainerState(TrainerParts):
         """
         # Rank 0 verifies first, so a forged checkpoint is named as such whatever model it claims to hold.
         read = ckpt.verify_checkpoint if self.rank == 0 else ckpt.read_checkpoint_meta
-        saved_model = read(path, require=("model",))["model"]
+        saved = read(path, require=("model",))
+        check_same_teacher(Path(path), saved.get("teacher"), self.teacher)  # the objective it trained on
+        saved_model = saved["model"]
         ours = cfglib.to_dict(self.model_cfg)
         if isinstance(saved_model, dict):  # a field added since the checkpoint was written: its default then
             defaults = cfglib.to_dict(type(self.model_cfg)())
@@ -379,6 +383,7 @@ class TrainerState(TrainerParts):
     def write_provenance(self) -> None:
         """Record the resolved config, version, commit and hardware in the run directory."""
         self.rundir.root.mkdir(parents=True, exist_ok=True)
+        teacher_flops = self.teacher.record["forward_flops_per_token"] if self.teacher is not None else 0
         atomic_write_text(self.rundir.config, cfglib.dumps_toml(self.cfg))
         atomic_write_json(
             self.rundir.provenance,
@@ -390,6 +395,9 @@ class TrainerState(TrainerParts):
                 "model": cfglib.to_dict(self.model_cfg),
                 "params": {"total": self.params.total, "non_embedding": self.params.non_embedding},
                 "flops_per_token": self.flops_per_token,
+                # with a teacher, the run's compute per token adds its forward (MFU counts the student's alone)
+                "run_flops_per_token": self.flops_per_token + teacher_flops,
+                "teacher": self.teacher.record if self.teacher is not None else None,
                 "peak_flops": self.peak_flops,
                 "tokens_per_step": self.tokens_per_step,
                 "total_steps": self.total_steps,

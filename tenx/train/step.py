@@ -26,6 +26,7 @@ from torch import nn
 
 from tenx.errors import DataError
 from tenx.parallel.distributed import full_value
+from tenx.train.distill import Teacher
 from tenx.train.optim import OptimConfig, lr_at
 from tenx.train.parts import ModelParts, RunShape
 
@@ -81,6 +82,9 @@ class StepResult:
     """False: a replica group failed during the step; nobody applied it."""
     applied: bool = False
     error: Exception | None = field(default=None, repr=False)
+    distill: list[float] | None = None
+    """Distillation (a teacher in the parts): the step's mean H(teacher, student) and KL(teacher || student),
+    in nats/token, averaged over the ranks as the loss is; None without a teacher."""
 
 
 def take_step(
@@ -98,14 +102,17 @@ def take_step(
 
     `trained` is what training builds (tenx.train.parts.build_model_parts): `trained.model` is what
     forward and backward run through (set to training mode), `trained.forward` what the forward calls,
-    `trained.raw_model` the transformer whose gradients are clipped. `shape` gives the micro-batches per
+    `trained.raw_model` the transformer whose gradients are clipped; `trained.teacher`, when there is one,
+    runs on each micro-batch's inputs inside `forward_context` and the loss mixes in its term
+    (tenx.train.distill), whose figures are reduced with the loss sum: `reduce` then gets the vector
+    [loss sum, H sum, KL sum] in place of the loss sum. `shape` gives the micro-batches per
     step, the schedule's length and the z-loss. `apply`: None takes the update when the guard and the
     commit allow it; True/False decide it (replay: as the record says). `lr`: the learning rate to take
     (replay: the recorded one, which a wall-clock budget's re-planning may have moved off the config's
     schedule); None: the schedule's, lr_at(step - 1, shape.total_steps, optim).
     """
     hooks = hooks if hooks is not None else StepHooks()
-    model, raw_model, forward = trained.model, trained.raw_model, trained.forward
+    model, raw_model, forward, teacher = trained.model, trained.raw_model, trained.forward, trained.teacher
     optimizer, guard = trained.optimizer, trained.guard
     accum = shape.grad_accum
     lr = lr_at(step - 1, shape.total_steps, optim) if lr is None else lr
@@ -119,11 +126,11 @@ def take_step(
     try:
         with hooks.loop_context():
             for batches in micro_batches:
-                loss_sum = torch.zeros((), device=device, dtype=hooks.loss_dtype)
+                loss_sum = torch.zeros((3,) if teacher else (), device=device, dtype=hooks.loss_dtype)
                 for i, (inputs, targets) in enumerate(batches):
                     with hooks.gradient_sync(i == accum - 1):
                         with hooks.forward_context():  # the output layer and the loss, fused, inside
-                            loss, ce = forward(inputs, targets, loss_dtype=hooks.loss_dtype)
+                            loss, ce = _loss(forward, teacher, inputs, targets, hooks.loss_dtype)
                         (loss / accum).backward()
                     loss_sum += ce.detach()
                 losses.append(loss_sum)
@@ -139,9 +146,11 @@ def take_step(
         return StepResult(lr, error=error)
     clip = optim.grad_clip if optim.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
-    # the step's one wait for the device: both figures in one copy (stack promotes to the wider dtype, and
+    # the step's one wait for the device: every figure in one copy (cat promotes to the wider dtype, and
     # MPS has no float64 of its own)
-    grad_norm, loss_value = torch.stack([full_value(norm), loss_sum / accum]).tolist()
+    grad_norm, loss_value, *distill = torch.cat(
+        [full_value(norm).reshape(1), (loss_sum / accum).reshape(-1)]
+    ).tolist()
     verdict = guard.check(loss_value, grad_norm)
     committed = hooks.commit()
     applied = (verdict is None if apply is None else apply) and committed
@@ -149,7 +158,23 @@ def take_step(
         optimizer.step()
         guard.record_good(loss_value, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(lr, loss_value, grad_norm, verdict, committed, applied)
+    return StepResult(lr, loss_value, grad_norm, verdict, committed, applied, distill=distill or None)
+
+
+def _loss(
+    forward: Any,
+    teacher: Teacher | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to optimise, the figures to sum): the mean cross-entropy; with a teacher, the vector
+    [mean cross-entropy, mean H(teacher, student), mean KL(teacher || student)]."""
+    if teacher is None:
+        return forward(inputs, targets, loss_dtype=loss_dtype)  # type: ignore[no-any-return]
+    soft = teacher.soft_targets(inputs)
+    loss, ce, distill = forward(inputs, targets, loss_dtype=loss_dtype, teacher=soft)
+    return loss, torch.cat([ce.reshape(1), distill])
 
 
 def _average_ranks(

@@ -207,6 +207,8 @@ class Trainer(TrainerState):
             "epoch": self.loader.epochs_seen,
             "step_time_s": dt,
         }
+        if result.distill is not None:  # beside the data loss, which stays what every run reports
+            metrics["distill_ce"], metrics["distill_kl"] = result.distill
         metrics.update(sync_metrics)
         if verdict is not None:
             metrics["skipped"] = verdict

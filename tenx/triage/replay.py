@@ -53,6 +53,7 @@ from tenx.train.callbacks.opbug import OpBug
 from tenx.train.callbacks.record import error_frames, read_steps, step_digest
 from tenx.train.callbacks.stats import ModelProbe
 from tenx.train.config import RunConfig, load_run_config
+from tenx.train.distill import replay_teacher
 from tenx.train.float8 import restore_plain_linears
 from tenx.train.guard import StepGuard
 from tenx.train.parts import build_model_parts, run_shape, validation_stream
@@ -107,6 +108,8 @@ class Replayer:
         self.model_cfg = shape.model_cfg
         self.seq_len, self.micro_batch = self.model_cfg.seq_len, tc.micro_batch
         self._check_unchanged(prov)
+        tokenizer = self.stream.manifest["tokenizer"]  # a distilled run: its teacher, as run.json recorded it
+        self.teacher = replay_teacher(self.cfg, prov, self.model_cfg, tokenizer, self.device)
         self.bitwise = not reference and (
             self.data_parallel <= 2 and self.strategy in ("none", "ddp", "single")
         )
@@ -203,7 +206,7 @@ class Replayer:
     # ----- state ------------------------------------------------------------------------------------
     def _fresh(self) -> None:
         """The run's initial state: seeded initialisation, built as build_parts builds it."""
-        built = build_model_parts(self.cfg, self.model_cfg, self.device)
+        built = build_model_parts(self.cfg, self.model_cfg, self.device, teacher=self.teacher)
         self.trained = built  # what take_step runs on; the names below are the same objects
         self.model, self.optimizer, self.guard = built.raw_model, built.optimizer, built.guard
         self.step = 0
@@ -490,6 +493,8 @@ class Replayer:
         if restore_plain_linears(self.model):  # an fp8 run: its matmuls in float64 too
             self.notes.append("the reference path ran the fp8 run's linears as plain float64 ones")
         self.model.to(device, torch.float64)
+        if self.teacher is not None:  # on the student's device, in its own dtype (its products are cast)
+            self.teacher.model.to(device)
         for state in self.optimizer.state.values():
             for k, v in list(state.items()):
                 if torch.is_tensor(v):

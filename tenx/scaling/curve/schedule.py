@@ -167,7 +167,8 @@ class Curve:
     """the metrics column: `loss` (each step's training batch) or `val_loss` (the fixed validation batches,
     logged every train.eval_every steps: far less noisy, and what a ladder's held-out figures are)"""
     flops: float | None = None
-    """training FLOPs of the whole run (run.json's flops_per_token x tokens): groups a ladder's budgets"""
+    """FLOPs of the whole run (run.json's run_flops_per_token, else flops_per_token, x tokens: a distillation
+    teacher's forward counted): groups a ladder's budgets"""
 
     def __post_init__(self) -> None:
         self.steps = np.asarray(self.steps, dtype=int)
@@ -303,8 +304,9 @@ def curve_from_run(run_dir: str | Path, name: str | None = None, quantity: str =
         "seed": cfg.train.seed,
     }
     curve = curve_from_records(records, name or Path(run_dir).name, params, schedule, config, quantity)
-    if prov.get("flops_per_token"):
-        curve.flops = float(prov["flops_per_token"]) * float(tokens_per_step) * int(total_steps)
+    per_token = prov.get("run_flops_per_token") or prov.get("flops_per_token")
+    if per_token:
+        curve.flops = float(per_token) * float(tokens_per_step) * int(total_steps)
     return curve
 
 
