@@ -78,9 +78,7 @@ def test_loss_is_the_mix_of_data_and_teacher_cross_entropy(monkeypatch, chunked,
     for got, want in zip(torch.autograd.grad(loss, (x, w_VD)), grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     # what the teacher's log-probabilities are: the mixture Ensemble.forward computes
-    torch.testing.assert_close(
-        SoftTargets(hidden, heads, weight).log_probs(0, N, torch.float64, torch.float64), p.log()
-    )
+    torch.testing.assert_close(SoftTargets(hidden, heads, weight).log_probs(0, N, torch.float64), p.log())
 
 
 def test_weight_zero_trains_bit_for_bit_as_without_teacher(tiny_config, tiny_data, teachers, tmp_path):
@@ -142,7 +140,7 @@ def test_an_ensemble_teacher(tiny_config, tiny_data, teachers, tmp_path):
     soft = teacher.soft_targets(tokens)
     with torch.no_grad():
         mixture = teacher.model(tokens).flatten(0, 1)
-    torch.testing.assert_close(soft.log_probs(0, 64, torch.float32, torch.float32), mixture)
+    torch.testing.assert_close(soft.log_probs(0, 64, torch.float32), mixture)
     record = json.loads(rundir.RunDir(run).provenance.read_text())["teacher"]
     single = json.loads(rundir.RunDir(teachers / "t0").provenance.read_text())
     assert record["members"] == len(record["sources"]) == 2

@@ -28,14 +28,16 @@ class SoftTargets:
     """Per member: its output weight (V, D_k); every member's V is the student's."""
     weight: float
 
-    def log_probs(
-        self, start: int, end: int, compute_dtype: torch.dtype, loss_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The teacher's log-probabilities of rows [start, end), (C, V) in `loss_dtype`; the output layers'
-        matmuls run in `compute_dtype` (the autocast dtype, as the student's do)."""
+    def cast(self, dtype: torch.dtype) -> SoftTargets:
+        """The teacher with its hidden states and output weights in `dtype`, the dtype its output layers'
+        matmuls are to run in (the autocast dtype, as the student's do), converted once for all chunks."""
+        return SoftTargets([h.to(dtype) for h in self.hidden], [w.to(dtype) for w in self.heads], self.weight)
+
+    def log_probs(self, start: int, end: int, loss_dtype: torch.dtype) -> torch.Tensor:
+        """The teacher's log-probabilities of rows [start, end), (C, V) in `loss_dtype`."""
         total_CV: torch.Tensor | None = None  # a running log-sum, as Ensemble.forward computes it
         for h_ND, w_VD in zip(self.hidden, self.heads, strict=True):
-            logits_CV = (h_ND[start:end].to(compute_dtype) @ w_VD.to(compute_dtype).t()).to(loss_dtype)
+            logits_CV = (h_ND[start:end] @ w_VD.t()).to(loss_dtype)
             logp_CV = torch.log_softmax(logits_CV, dim=-1)
             total_CV = logp_CV if total_CV is None else torch.logaddexp(total_CV, logp_CV)
         assert total_CV is not None

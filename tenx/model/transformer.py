@@ -297,6 +297,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         N, V = x_ND.shape[0], weight_VD.shape[0]
         w = teacher.weight if teacher is not None else 0.0
+        teacher = teacher.cast(compute_dtype) if teacher is not None else None
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # type: ignore[attr-defined]
         w_VD = weight_VD.to(compute_dtype)
         grad_x_ND = torch.empty_like(x_ND) if needs_grad else None
@@ -317,7 +318,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if z_loss:
                 z_sum += lse_C.square().sum()
             if teacher is not None:
-                teacher_logp_CV = teacher.log_probs(start, end, compute_dtype, loss_dtype)
+                teacher_logp_CV = teacher.log_probs(start, end, loss_dtype)
                 p_CV, cross, entropy = soft_cross_entropy_sums(teacher_logp_CV, logits_CV - lse_C[:, None])
                 distill_sums += torch.stack([cross, entropy])
             if not needs_grad:
@@ -400,7 +401,7 @@ def linear_cross_entropy(
         w = teacher.weight
         logq_NV = torch.log_softmax((logits_NV if w else logits_NV.detach()).to(loss_dtype), dim=-1)
         _, cross, entropy = soft_cross_entropy_sums(
-            teacher.log_probs(0, N, compute_dtype, loss_dtype), logq_NV
+            teacher.cast(compute_dtype).log_probs(0, N, loss_dtype), logq_NV
         )
         if w:  # (1 - w) * CE + w * H, from lm_loss's CE (+ z-loss)
             loss = loss + w * (cross / N - ce)

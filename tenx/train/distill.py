@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,7 +49,7 @@ class Teacher:
     @property
     def members(self) -> list[Transformer]:
         """The models whose probabilities the teacher averages (one, unless it is an ensemble)."""
-        return list(self.model.members) if isinstance(self.model, Ensemble) else [self.model]  # type: ignore[arg-type]
+        return _members(self.model)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def load_teacher(
                 )
     model.requires_grad_(False)
     model.eval()
-    members = list(model.members) if isinstance(model, Ensemble) else [model]
+    members = _members(model)
     record = {
         "path": str(Path(source).resolve()),
         "sources": [
@@ -109,14 +109,15 @@ def load_teacher(
             for p, m in zip(paths, metas, strict=True)
         ],
         "members": len(members),
-        "params": sum(count_params(m.cfg).total for m in members),  # type: ignore[arg-type]
+        "params": sum(count_params(m.cfg).total for m in members),
         # forward = a third of training's forward + backward, at the student's windows' length
-        "forward_flops_per_token": sum(
-            flops_per_token(m.cfg, model_cfg.seq_len) // 3  # type: ignore[arg-type]
-            for m in members
-        ),
+        "forward_flops_per_token": sum(flops_per_token(m.cfg, model_cfg.seq_len) // 3 for m in members),
     }
     return Teacher(model, cfg.train.distill_weight, record)
+
+
+def _members(model: Transformer | Ensemble) -> list[Transformer]:
+    return cast(list[Transformer], list(model.members)) if isinstance(model, Ensemble) else [model]
 
 
 def _fingerprint(recorded: Any) -> list[Any] | None:
