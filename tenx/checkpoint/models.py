@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -180,7 +180,7 @@ def load_ensemble(target: str | Path, device: str = "auto") -> LoadedModel:
             "an ensemble's members must share the tokenizer and the data"
         )
     try:
-        model = Ensemble([m.model for m in loaded])
+        model = Ensemble([cast(Transformer, m.model) for m in loaded])  # ensemble_members refuses nesting
     except ValueError as e:
         raise CheckpointError(f"ensemble {target}: {e}") from None
     meta = dict(loaded[0].meta, members=[str(m.checkpoint) for m in loaded])

@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
             f"tokenizer of {loaded.data_dir} has no token for byte(s) {missing}: it cannot code any bytes"
         )
     return CodecModel(
-        model=loaded.model,
+        model=cast(Transformer, loaded.model),  # not an ensemble (refused above)
         tokenizer=tokenizer,
         checkpoint=loaded.checkpoint,
         data_dir=loaded.data_dir,

@@ -127,7 +127,7 @@ def export_hf(
             f'(pip install -U "transformers>=4.51") to export this model'
         )
     loaded = load_model(path, device="cpu")
-    model, cfg = loaded.model.float(), loaded.model.cfg
+    model, cfg = cast(Transformer, loaded.model.float()), loaded.model.cfg  # one member (ensemble_member)
     padded = cfg.vocab_size or 0  # resolved: never 0
     tokenizer, note = _find_tokenizer(loaded.meta, run_dir, path)
     real_vocab = (
