@@ -163,9 +163,11 @@ def _write_ensemble(cfg: RunConfig, run: RunDir) -> None:
     provenance.update(
         model={**(provenance.get("model") or {}), "ensemble": count},
         params={key: value * count for key, value in params.items() if isinstance(value, int)},
-        flops_per_token=flops * count if isinstance(flops, (int, float)) else None,
         ensemble={"members": count, "member_params": params, "member_flops_per_token": flops},
     )
+    for key in ("flops_per_token", "run_flops_per_token"):  # the latter counts a distillation teacher too
+        if isinstance(provenance.get(key), (int, float)):
+            provenance[key] *= count
     atomic_write_json(run.provenance, provenance)
     members = [str(run.member(k).relative_to(run.root)) for k in range(count)]
     atomic_write_json(run.ensemble, {"members": members})
