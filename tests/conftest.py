@@ -84,6 +84,23 @@ def tiny_config():
 
 
 @pytest.fixture(scope="session")
+def train_tiny(tiny_config, tmp_path_factory):
+    """A function: `train_tiny(data_dir, *overrides)` trains configs/tiny.toml on `data_dir` quickly (no
+    checkpoints, no evaluation, one thread) with `overrides`, in a new directory, and returns that run."""
+    from tenx.train.run import train
+
+    def make(data_dir: Path, *overrides: str) -> Path:
+        run = tmp_path_factory.mktemp("tiny-run") / "run"
+        train(
+            tiny_config(data_dir, "checkpoint.every=0", "train.eval_every=0", "train.threads=1", *overrides),
+            run,
+        )
+        return run
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def crash_at():
     """A class: `crash_at(step)` is a callback that fails the run after `step` (a crash to resume from)."""
     from tenx.train.hooks import Callback

@@ -24,9 +24,7 @@ from tenx.data.prepare.pipeline import PrepareConfig, prepare
 from tenx.errors import TenxError
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer
-from tenx.train.run import train
 
-FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
 RNG = np.random.default_rng(0)
 ADVERSARIAL = {
     "empty": b"",
@@ -39,16 +37,10 @@ ADVERSARIAL = {
 }
 
 
-def _train(tiny_config, data, tmp_path_factory, *overrides: str):
-    run = tmp_path_factory.mktemp("codec-run") / "run"
-    train(tiny_config(data, *FAST, *overrides), run)
-    return run
-
-
 @pytest.fixture(scope="module")
-def run(tiny_config, tiny_data, tmp_path_factory):
+def run(train_tiny, tiny_data):
     """A tiny byte-level model trained a few steps."""
-    return _train(tiny_config, tiny_data, tmp_path_factory, "train.steps=20")
+    return train_tiny(tiny_data, "train.steps=20")
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +49,13 @@ def codec(run):
 
 
 @pytest.fixture(scope="module")
-def bpe_codec(tiny_config, corpus_dir, tmp_path_factory):
+def bpe_codec(train_tiny, corpus_dir, tmp_path_factory):
     """A tiny model over a byte-level BPE of 300 tokens (text and raw bytes take different paths)."""
     data = tmp_path_factory.mktemp("data") / "bpe"
     prepare(
         PrepareConfig(source=str(corpus_dir), out=str(data), tokenizer="bpe", vocab_size=300), progress=False
     )
-    return load_codec(_train(tiny_config, data, tmp_path_factory, "train.steps=2"))
+    return load_codec(train_tiny(data, "train.steps=2"))
 
 
 def _heldout_documents(data_dir) -> list[bytes]:
@@ -270,8 +262,8 @@ def blob(codec, tiny_data):
     return compress_bytes(codec, _heldout_documents(tiny_data)[0][:2000])
 
 
-def test_another_model_is_refused_naming_both(blob, codec, tiny_config, tiny_data, tmp_path_factory):
-    other = load_codec(_train(tiny_config, tiny_data, tmp_path_factory, "train.steps=2", "train.seed=1"))
+def test_another_model_is_refused_naming_both(blob, codec, train_tiny, tiny_data):
+    other = load_codec(train_tiny(tiny_data, "train.steps=2", "train.seed=1"))
     with pytest.raises(TenxError, match="another model") as caught:
         decompress_bytes(other, blob)
     assert codec.model_hash in str(caught.value) and other.model_hash in str(caught.value)

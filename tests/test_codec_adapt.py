@@ -23,17 +23,12 @@ from tenx.compress.files import decompress_file
 from tenx.compress.fixed import FixedStepper, fixed_frequencies, to_grid
 from tenx.data.prepare.sources import stdlib_dir
 from tenx.errors import TenxError
-from tenx.train.run import train
-
-FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
 
 
 @pytest.fixture(scope="module")
-def run(tiny_config, tiny_data, tmp_path_factory):
+def run(train_tiny, tiny_data):
     """A tiny byte-level model trained a few steps on the `json` and `email` packages."""
-    out = tmp_path_factory.mktemp("adapt-run") / "run"
-    train(tiny_config(tiny_data, *FAST, "train.steps=20"), out)
-    return out
+    return train_tiny(tiny_data, "train.steps=20")
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,14 @@ from hypothesis import strategies as st
 from tenx.cli import main
 from tenx.monitor.prediction_file import read_prediction
 from tenx.scaling.predict import stored_indexes
-from tenx.train.run import train
 
 CURVES = Path(__file__).parent / "data" / "curves"
-FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1", "train.steps=2")
 
 
 @pytest.fixture(scope="module")
-def run(tiny_config, tiny_data, tmp_path_factory) -> Path:
+def run(train_tiny, tiny_data) -> Path:
     """A tiny byte-level model trained two steps."""
-    out = tmp_path_factory.mktemp("hostile-run") / "run"
-    train(tiny_config(tiny_data, *FAST), out)
-    return out
+    return train_tiny(tiny_data, "train.steps=2")
 
 
 def _exit_status(argv: list[str]) -> int:

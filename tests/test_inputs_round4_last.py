@@ -12,7 +12,6 @@ from tenx.cli import main
 from tenx.compress.container import HEADER, CodecAdaptation, _digest, header_bytes, read_header
 from tenx.data.tokenizer import BPE_FILE, BPETokenizer, check_round_trip, train_bpe
 from tenx.errors import DataError
-from tenx.train.run import train
 
 
 def _ladder(tiny_data, lad: Path, how: str, *extra: str) -> int:
@@ -41,15 +40,11 @@ def test_ladder_emit_refusal_writes_nothing(tiny_data, tmp_path, capsys, name, h
 
 # ----- forged but in-range adaptation settings of a .tenx file ----------------------------------------------
 
-FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
-
 
 @pytest.fixture(scope="module")
-def run(tiny_config, tiny_data, tmp_path_factory):
+def run(train_tiny, tiny_data):
     """A tiny byte-level model trained two steps (what compress and decompress need)."""
-    path = tmp_path_factory.mktemp("round4-last-run") / "run"
-    train(tiny_config(tiny_data, *FAST, "train.steps=2"), path)
-    return path
+    return train_tiny(tiny_data, "train.steps=2")
 
 
 def forge_settings(blob: bytes, settings: CodecAdaptation) -> bytes:

@@ -23,7 +23,6 @@ from tenx.compress.codec import compress_bytes, decode_threads, decompress_bytes
 from tenx.compress.container import _digest, header_bytes, read_header
 from tenx.errors import DataError, TenxError
 from tenx.launch.slurm import write_job_script
-from tenx.train.run import train
 from tenx.utils.io import (
     atomic_write_bytes,
     atomic_write_json,
@@ -33,15 +32,11 @@ from tenx.utils.io import (
     regular_input_file,
 )
 
-FAST = ("checkpoint.every=0", "train.eval_every=0", "train.threads=1")
-
 
 @pytest.fixture(scope="module")
-def run(tiny_config, tiny_data, tmp_path_factory):
+def run(train_tiny, tiny_data):
     """A tiny byte-level model trained two steps (what compress, decompress and eval need)."""
-    path = tmp_path_factory.mktemp("round4-run") / "run"
-    train(tiny_config(tiny_data, *FAST, "train.steps=2"), path)
-    return path
+    return train_tiny(tiny_data, "train.steps=2")
 
 
 def char_device(path: Path) -> Path:
