@@ -100,6 +100,20 @@ def train_tiny(tiny_config, tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def codec_run(train_tiny, tiny_data) -> Path:
+    """A tiny byte-level model trained 20 steps, the one the compress tests code with (one per module)."""
+    return train_tiny(tiny_data, "train.steps=20")
+
+
+@pytest.fixture(scope="module")
+def codec(codec_run):
+    """The codec (tenx.compress.codec.load_codec) of `codec_run`."""
+    from tenx.compress.codec import load_codec
+
+    return load_codec(codec_run)
+
+
 @pytest.fixture(scope="session")
 def crash_at():
     """A class: `crash_at(step)` is a callback that fails the run after `step` (a crash to resume from)."""

@@ -38,17 +38,6 @@ ADVERSARIAL = {
 
 
 @pytest.fixture(scope="module")
-def run(train_tiny, tiny_data):
-    """A tiny byte-level model trained a few steps."""
-    return train_tiny(tiny_data, "train.steps=20")
-
-
-@pytest.fixture(scope="module")
-def codec(run):
-    return load_codec(run)
-
-
-@pytest.fixture(scope="module")
 def bpe_codec(train_tiny, corpus_dir, tmp_path_factory):
     """A tiny model over a byte-level BPE of 300 tokens (text and raw bytes take different paths)."""
     data = tmp_path_factory.mktemp("data") / "bpe"
@@ -187,7 +176,7 @@ else:
 """
 
 
-def test_a_file_decodes_under_other_kernels_and_thread_counts(run, tmp_path):
+def test_a_file_decodes_under_other_kernels_and_thread_counts(codec_run, tmp_path):
     """Compressed under ATEN_CPU_CAPABILITY=default (plain C++ kernels, 1 thread) and decoded under this
     machine's best (AVX2 or AVX-512, 2 threads), and the reverse: the fixed-point rules give the same bits."""
     import os
@@ -200,7 +189,7 @@ def test_a_file_decodes_under_other_kernels_and_thread_counts(run, tmp_path):
 
     def child(*args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "-c", ENCODE, str(run), *args], env=env, capture_output=True, text=True
+            [sys.executable, "-c", ENCODE, str(codec_run), *args], env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip()
@@ -210,11 +199,11 @@ def test_a_file_decodes_under_other_kernels_and_thread_counts(run, tmp_path):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        decompress_file(run, tmp_path / "a.tenx", tmp_path / "a.out")
+        decompress_file(codec_run, tmp_path / "a.tenx", tmp_path / "a.out")
     finally:
         torch.set_num_threads(before)
     assert (tmp_path / "a.out").read_bytes() == src.read_bytes()
-    compress_file(run, src, tmp_path / "b.tenx", threads=2)
+    compress_file(codec_run, src, tmp_path / "b.tenx", threads=2)
     child(str(tmp_path / "b.tenx"), str(tmp_path / "b.out"), "1", "decompress")
     assert (tmp_path / "b.out").read_bytes() == src.read_bytes()
 
@@ -364,20 +353,20 @@ def test_outputs_are_not_overwritten_without_force(codec, tmp_path):
     assert out.read_bytes() == src.read_bytes()
 
 
-def test_cli_round_trip_and_refusals(run, tmp_path, capsys):
+def test_cli_round_trip_and_refusals(codec_run, tmp_path, capsys):
     src = tmp_path / "doc.py"
     src.write_bytes(b"import email\nprint(email.message_from_string('x'))\n" * 20)
-    assert main(["compress", str(run), str(src)]) == 0
+    assert main(["compress", str(codec_run), str(src)]) == 0
     assert "bits per byte" in capsys.readouterr().out and (tmp_path / "doc.py.tenx").exists()
-    assert main(["compress", str(run), str(src)]) == 2
+    assert main(["compress", str(codec_run), str(src)]) == 2
     assert "--force" in capsys.readouterr().err
     src.rename(tmp_path / "original.py")
-    assert main(["decompress", str(run), str(tmp_path / "doc.py.tenx")]) == 0
+    assert main(["decompress", str(codec_run), str(tmp_path / "doc.py.tenx")]) == 0
     assert src.read_bytes() == (tmp_path / "original.py").read_bytes()
     damaged = bytearray((tmp_path / "doc.py.tenx").read_bytes())
     damaged[-1] ^= 1
     (tmp_path / "bad.tenx").write_bytes(damaged)
-    assert main(["decompress", str(run), str(tmp_path / "bad.tenx"), "-o", str(tmp_path / "x")]) == 2
+    assert main(["decompress", str(codec_run), str(tmp_path / "bad.tenx"), "-o", str(tmp_path / "x")]) == 2
     assert "corrupt" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
@@ -418,23 +407,23 @@ def test_many_files_decode_together_as_each_does_alone(codec, tiny_data, monkeyp
     assert codec_mod.decompress_many(codec, blobs[:2]) == originals[:2]
 
 
-def test_cli_decompresses_several_files_and_writes_the_good_ones(run, tmp_path, capsys):
+def test_cli_decompresses_several_files_and_writes_the_good_ones(codec_run, tmp_path, capsys):
     sources = {
         name: f"print({i})\n".encode() * (5 + 40 * i) for i, name in enumerate(("a.py", "b.py", "c.py"))
     }
     for name, data in sources.items():
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / name) for name in sources]
-    assert main(["compress", str(run), *paths]) == 0
+    assert main(["compress", str(codec_run), *paths]) == 0
     assert capsys.readouterr().out.count("compressed ") == 3
-    assert main(["compress", str(run), *paths, "-o", str(tmp_path / "x")]) == 2
+    assert main(["compress", str(codec_run), *paths, "-o", str(tmp_path / "x")]) == 2
     assert "-o names one output" in capsys.readouterr().err
     for name in sources:
         (tmp_path / name).unlink()
     damaged = bytearray((tmp_path / "b.py.tenx").read_bytes())
     damaged[-1] ^= 1
     (tmp_path / "b.py.tenx").write_bytes(damaged)
-    assert main(["decompress", str(run), *(p + ".tenx" for p in paths)]) == 2
+    assert main(["decompress", str(codec_run), *(p + ".tenx" for p in paths)]) == 2
     captured = capsys.readouterr()
     assert "2 of 3 files decompressed together" in captured.out and "b.py.tenx" in captured.err
     assert not (tmp_path / "b.py").exists()

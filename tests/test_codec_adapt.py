@@ -17,23 +17,12 @@ import torch
 from tenx.cli import main
 from tenx.compress import codec as codec_mod
 from tenx.compress.adapt import E_BITS, AdaptiveHead
-from tenx.compress.codec import compress_bytes, decompress_bytes, load_codec
+from tenx.compress.codec import compress_bytes, decompress_bytes
 from tenx.compress.container import HEADER, HEADER_BYTES, SETTINGS, CodecAdaptation, read_header
 from tenx.compress.files import decompress_file
 from tenx.compress.fixed import FixedStepper, fixed_frequencies, to_grid
 from tenx.data.prepare.sources import stdlib_dir
 from tenx.errors import TenxError
-
-
-@pytest.fixture(scope="module")
-def run(train_tiny, tiny_data):
-    """A tiny byte-level model trained a few steps on the `json` and `email` packages."""
-    return train_tiny(tiny_data, "train.steps=20")
-
-
-@pytest.fixture(scope="module")
-def codec(run):
-    return load_codec(run)
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +99,14 @@ compress_file(sys.argv[1], sys.argv[2], sys.argv[3], threads=1, adapt=CodecAdapt
 """
 
 
-def test_an_adaptive_file_decodes_under_other_kernels_and_thread_counts(run, unseen, tmp_path):
+def test_an_adaptive_file_decodes_under_other_kernels_and_thread_counts(codec_run, unseen, tmp_path):
     """Compressed with adaptation under ATEN_CPU_CAPABILITY=default (plain C++ kernels, 1 thread), decoded
     under this machine's best kernels (AVX2 or AVX-512) with 2 threads: every update came out the same."""
     src = tmp_path / "logging.py"
     src.write_bytes(unseen[:30_000])
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(
-        [sys.executable, "-c", ENCODE, str(run), str(src), str(tmp_path / "a.tenx")],
+        [sys.executable, "-c", ENCODE, str(codec_run), str(src), str(tmp_path / "a.tenx")],
         env=env,
         capture_output=True,
         text=True,
@@ -128,7 +117,7 @@ def test_an_adaptive_file_decodes_under_other_kernels_and_thread_counts(run, uns
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        report = decompress_file(run, tmp_path / "a.tenx", tmp_path / "a.out")
+        report = decompress_file(codec_run, tmp_path / "a.tenx", tmp_path / "a.out")
     finally:
         torch.set_num_threads(before)
     assert (tmp_path / "a.out").read_bytes() == src.read_bytes()
@@ -164,16 +153,16 @@ def test_another_learning_rate_decodes_wrong_and_nothing_is_written(codec, unsee
         decompress_bytes(codec, forged)
 
 
-def test_cli_adapt_flags(run, tmp_path, capsys):
+def test_cli_adapt_flags(codec_run, tmp_path, capsys):
     src = tmp_path / "f.py"
     src.write_bytes(b"def f(x):\n    return x + 1\n" * 40)
-    main(["compress", str(run), str(src), "--adapt", "--adapt-lr", "0.002", "--adapt-every", "2"])
+    main(["compress", str(codec_run), str(src), "--adapt", "--adapt-lr", "0.002", "--adapt-every", "2"])
     assert "output layer learning (lr 0.002, every 2)" in capsys.readouterr().out
-    main(["decompress", str(run), str(src) + ".tenx", "-o", str(tmp_path / "back.py")])
+    main(["decompress", str(codec_run), str(src) + ".tenx", "-o", str(tmp_path / "back.py")])
     assert (tmp_path / "back.py").read_bytes() == src.read_bytes()
     for flag, value in [("--adapt-every", "0"), ("--adapt-lr", "0"), ("--adapt-lr", "nan")]:
         with pytest.raises(SystemExit) as exit_:
-            main(["compress", str(run), str(src), "--adapt", flag, value, "--force"])
+            main(["compress", str(codec_run), str(src), "--adapt", flag, value, "--force"])
         assert exit_.value.code == 2
         assert flag in capsys.readouterr().err
 
