@@ -26,9 +26,25 @@ def register(subparsers: Any) -> None:
     subcommand(subparsers, "plan", about, cmd_plan, _plan_arguments)
 
 
-def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_vocab(p: argparse.ArgumentParser) -> None:
+    """`--vocab`, the vocabulary every plan command reads through plan_vocab."""
     from tenx.plan.estimate import MAX_VOCAB
 
+    p.add_argument(
+        "--vocab",
+        type=at_least(int, 1, MAX_VOCAB),
+        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
+        "50257, said to be assumed)",
+    )
+
+
+def _add_json(p: argparse.ArgumentParser, help: str, **options: Any) -> None:
+    """`--json` and the `--force` that lets it replace an existing file (check_output_file refuses it)."""
+    p.add_argument("--json", help=help, **options)
+    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="the run config (a .toml path or a shipped name)")
     add_set(parser, "config override")
     parser.add_argument(
@@ -43,12 +59,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=["fp32", "bf16"], help="activation dtype (default: from train.precision)"
     )
-    parser.add_argument(
-        "--vocab",
-        type=at_least(int, 1, MAX_VOCAB),
-        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
-        "50257, said to be assumed)",
-    )
+    _add_vocab(parser)
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     parser.add_argument(
         "--replica-groups", type=at_least(int, 1), default=1, help="replica groups across clusters (torchft)"
@@ -75,8 +86,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-calibration", action="store_true", help="use the cluster file's factors, not the measured ones"
     )
-    parser.add_argument("--json", help="also write the plan as JSON here (a new file, unless --force)")
-    parser.add_argument("--force", action="store_true", help="--json: replace an existing file")
+    _add_json(parser, "also write the plan as JSON here (a new file, unless --force)")
     shapes = "measure the run's GEMM shapes and nearby faster ones"
     failures = "failures at scale: MTBF, checkpoint interval, goodput"
     choose = "rank (N, D, parallelism) for a compute budget by predicted loss"
@@ -220,7 +230,6 @@ def cmd_shapes(args: argparse.Namespace) -> int:
 
 
 def _shapes_arguments(p: argparse.ArgumentParser) -> None:
-    from tenx.plan.estimate import MAX_VOCAB
     from tenx.plan.shapes import CPU_MAX_TOKENS
 
     p.add_argument("--config", required=True, help="run config: a .toml path or a shipped name")
@@ -229,13 +238,7 @@ def _shapes_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], default=None, help="matmul dtype (default: the run's precision)"
     )
-    p.add_argument(
-        "--vocab",
-        type=at_least(int, 1, MAX_VOCAB),
-        default=None,
-        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
-        "50257, said to be assumed)",
-    )
+    _add_vocab(p)
     p.add_argument(
         "--repeat",
         type=at_least(int, 2, 1000),
@@ -254,13 +257,7 @@ def _shapes_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch CPU threads, at most 4096 (default: the config's train.threads, else torch's own choice)",
     )
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="also write the report as JSON (a new file, unless --force)",
-    )
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+    _add_json(p, "also write the report as JSON (a new file, unless --force)", metavar="FILE")
 
 
 def _gpu_counts(text: str) -> list[float]:
@@ -349,8 +346,7 @@ def _failures_arguments(p: argparse.ArgumentParser) -> None:
         help=f"independent simulations (for the 95%% CI), at most {MAX_REPLICAS}",
     )
     p.add_argument("--no-sim", action="store_true", help="closed forms only")
-    p.add_argument("--json", help="write one row per accelerator count here (a new file, unless --force)")
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+    _add_json(p, "write one row per accelerator count here (a new file, unless --force)")
     p.add_argument("--seed", type=at_least(int, 0), default=0, help="seed of the simulation")
 
 
@@ -420,8 +416,6 @@ def cmd_failures(args: argparse.Namespace) -> None:
 
 
 def _choose_arguments(p: argparse.ArgumentParser) -> None:
-    from tenx.plan.estimate import MAX_VOCAB
-
     p.add_argument("--config", required=True, help="the base run config (its family, sequence, batch)")
     add_set(p, "config override")
     p.add_argument("--cluster", required=True, help="a cluster file or a shipped one (configs/clusters/)")
@@ -432,12 +426,7 @@ def _choose_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--days", type=above(float, 0), help="wall-clock limit: D is cut to what fits in it (default: none)"
     )
-    p.add_argument(
-        "--vocab",
-        type=at_least(int, 1, MAX_VOCAB),
-        help="vocabulary size (default: model.vocab_size, else the prepared data's manifest, else GPT-2's "
-        "50257, said to be assumed)",
-    )
+    _add_vocab(p)
     p.add_argument(
         "--unique-tokens",
         type=above(float, 0),
@@ -445,8 +434,7 @@ def _choose_arguments(p: argparse.ArgumentParser) -> None:
         "--fit's L(N, D, U), with each loss's interval (default: no limit)",
     )
     p.add_argument("--top", type=at_least(int, 1), default=12, help="rows to print")
-    p.add_argument("--json", help="also write every choice as JSON here (a new file, unless --force)")
-    p.add_argument("--force", action="store_true", help="--json: replace an existing file")
+    _add_json(p, "also write every choice as JSON here (a new file, unless --force)")
 
 
 def cmd_choose(args: argparse.Namespace) -> None:
