@@ -83,8 +83,10 @@ COMPONENTS: dict[str, tuple[object, ...]] = {
     "bias": (True, False),
     "qk_norm": (True, False),
     "tie_embeddings": (True, False),
+    "ensemble": (1,),
 }
-"""ModelConfig's component fields (tenx/model/config.py) and the values of each this forward implements."""
+"""ModelConfig's component fields (tenx/model/config.py) and the values of each this forward implements (one
+model: an ensemble's members each record ensemble = 1; the ensemble itself is refused in compress/model.py)."""
 READ_AS_GIVEN = frozenset(
     {"family", "depth", "aspect_ratio", "d_model", "head_dim", "n_heads", "n_kv_heads", "d_ff"}
     | {"vocab_size", "seq_len", "rope_theta", "norm_eps", "z_loss", "init_std", "dropout"}
