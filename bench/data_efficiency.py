@@ -156,9 +156,29 @@ def main() -> None:
             "high": c["high"],
             "verdict": c["verdict"],
             "slope_per_decade": c["slope_per_decade"],
+            "heldout_loss": [x["heldout_loss"] for x in c["scales"]],
+            "baseline_heldout_loss": [x["baseline_heldout_loss"] for x in c["scales"]],
+            "compute_multiple": c.get("compute_multiple", 1.0),
+            **({"notes": c["notes"]} if c.get("notes") else {}),
         }
         for c in result["changes"]
     }
+    planted = [(dc_change, c) for dc_change in dc.change if dc_change.planted for c in result["changes"]
+               if c["name"] == dc_change.name]  # fmt: skip
+    planted_win = None
+    if planted:  # the instrument's calibration: a win worth exactly `planted` in data, at the largest size
+        spec, c = planted[0]
+        planted_win = {
+            "planted": spec.planted,
+            "multiplier": c["multipliers"][-1],
+            "low": c["low"][-1],
+            "high": c["high"][-1],
+            "by_size": {"multipliers": c["multipliers"], "low": c["low"], "high": c["high"]},
+        }
+        print(
+            f"planted win x{spec.planted:g} (the baseline given {spec.planted:g}x the unique tokens, same epochs) "
+            f"measured at the largest size: {c['multipliers'][-1]:.2f} [{c['low'][-1]:.2f}, {c['high'][-1]:.2f}]"
+        )
     above = [n for n, c in changes.items() if c["low"][-1] > 1.1]
     print(f"interval above 1.1 at the largest scale: {', '.join(above) if above else 'none'}")
     figures = {
@@ -167,6 +187,7 @@ def main() -> None:
         if result["changes"]
         else [],
         "changes": changes,
+        "planted_win": planted_win,
         "above_1_1_at_largest": above,
         "law": {k: result["law"]["params"][k] for k in result["law"]["params"]},
         "law_fitted_max_abs_rel_error": result["law_max_abs_rel_error"],

@@ -26,6 +26,7 @@ from tenx.scaling.derisk.data_multiplier import (
 from tenx.scaling.fit import compute_optimal, data_limited_optimal, effective_data
 from tenx.scaling.fit.laws import FitResult
 from tenx.scaling.ladder.rungs import LadderConfig
+from tenx.scaling.ladder.runner import config_key
 from tenx.train.config import CONFIG_DIR
 
 TRUE = {"E": 1.5, "A": 50.0, "B": 200.0, "alpha": 0.3, "beta": 0.3, "R_D_star": 5.0}
@@ -389,3 +390,196 @@ def test_a_bootstrap_fit_whose_coefficient_underflowed_still_fits_r_star():
     for base in ([1.0, 0.0, 100.0, 0.3, 0.3], [1.0, 50.0, 0.0, 0.3, 0.3], [0.0, 50.0, 100.0, 0.3, 0.3]):
         r_star = math.exp(_fit_decays(np.array(base), N, D, U, logL, 1e-3, log_starts)[0])
         assert math.isfinite(r_star) and r_star > 0
+
+
+# ----- the kinds of change beyond overrides (tenx/scaling/derisk/data_changes.py) ------------------------
+def _rows_at(dc, rows, factor=1.0, loss_shift=0.0):
+    """Per scale, rows like the compared point's baseline rows, at `factor` times its tokens and unique
+    tokens (the same epochs), their loss the law's there plus `loss_shift`."""
+    out = []
+    for budget in dc.budgets:
+        same = [r for r in rows if r["budget"] == budget and r["unique_tokens"] == dc.compare_u]
+        d = max(r["tokens"] for r in same)
+        n = same[0]["params"]
+        k = len([r for r in same if r["tokens"] == d])
+        out.append(
+            [
+                {
+                    "budget": budget,
+                    "params": n,
+                    "tokens": d * factor,
+                    "unique_tokens": dc.compare_u * factor,
+                    "heldout_loss": float(law(n, d * factor, dc.compare_u * factor)) + loss_shift,
+                }
+                for _ in range(k)
+            ]
+        )
+    return out
+
+
+def test_kinds_of_change_planted_ensemble_and_tuned_are_read_as_they_should_be():
+    """One fit of the law, read five ways (tenx/scaling/derisk/data_changes.py):
+    - a planted win of 1.3 (the baseline given 1.3x the unique tokens at the same epochs) is anchored at the
+      baseline's run at U_c, not at a run of its own U (the baseline has none), and reads 1.3;
+    - S ensembles drawn cyclically from shared members are not S independent repeats: with `independent`
+      = 1 the seed noise is that of one, and the interval is wider than S repeats would give; an
+      ensemble's rows stay out of the pooled seed noise;
+    - tuned against tuned: with `anchors` (the baseline's best candidate per scale), a change exactly as
+      good as the tuned baseline is worth 1.0 however far both are below the untuned baseline."""
+    from tenx.scaling.derisk.data_changes import ChangeRows
+
+    dc, baseline, changes = synthetic_study(noise=3e-3, seeds=4)
+    dc = dataclasses.replace(dc, bootstrap=20)
+    planted = ChangeRows(_rows_at(dc, baseline, 1.3), compute_multiple=1.3, planted=True)
+    ensemble = _rows_at(dc, baseline, 1.5)
+    for r in (x for at in ensemble for x in at):
+        r["unique_tokens"], r["tokens"] = dc.compare_u, r["tokens"] / 1.5  # an ensemble trains at U_c
+    better = _rows_at(dc, baseline, 1.0, loss_shift=-0.05)
+    kinds = {
+        "planted": planted,
+        "repeats": ChangeRows(ensemble),
+        "shared": ChangeRows(ensemble, independent=[1, 1, 1], compute_multiple=4.0),
+        "untuned": ChangeRows(better),
+        "tuned": ChangeRows(better, anchors=_rows_at(dc, baseline, 1.0, loss_shift=-0.05)),
+    }
+    result = analyse_data(baseline, changes, dc, kinds)
+    got = {c["name"]: c for c in result["changes"]}
+    p = got["planted"]
+    assert p["multipliers"] == pytest.approx([1.3] * 3, rel=0.02)
+    assert all(lo <= 1.3 * 1.02 and 1.3 / 1.02 <= hi for lo, hi in zip(p["low"], p["high"]))
+    assert p["compute_multiple"] == 1.3
+    assert [s["unique_tokens"] for s in p["scales"]] == [dc.compare_u * 1.3] * 3
+    a, b = got["repeats"], got["shared"]
+    assert a["multipliers"] == pytest.approx(b["multipliers"]) and b["compute_multiple"] == 4.0
+    width = [math.log(c["high"][0] / c["low"][0]) for c in (a, b)]
+    assert width[1] > 1.4 * width[0]  # sigma / sqrt(1) against sigma / sqrt(4), on top of the law's spread
+    without = analyse_data(baseline, changes, dataclasses.replace(dc, bootstrap=0))
+    assert result["seed_sigma"] == pytest.approx(without["seed_sigma"])
+    assert min(got["untuned"]["multipliers"]) > 1.1  # against the untuned baseline it looks like a gain
+    assert got["tuned"]["multipliers"] == pytest.approx([1.0] * 3, abs=1e-9)
+    # the case the planted anchor rule could wrongly excuse: anchored at its own U, there is no such run
+    with pytest.raises(Exception, match="no run at budget"):
+        analyse_data(baseline, changes, dataclasses.replace(dc, bootstrap=0), {"p": ChangeRows(planted.rows)})
+
+
+def test_change_kinds_are_validated_naming_the_change():
+    from tenx.scaling.derisk.change import sweep_candidates
+
+    assert sweep_candidates(["optim.lr=1e-3,2e-3", "optim.weight_decay=0.1,0.8"]) == [
+        ["optim.lr=1e-3", "optim.weight_decay=0.1"],
+        ["optim.lr=1e-3", "optim.weight_decay=0.8"],
+        ["optim.lr=2e-3", "optim.weight_decay=0.1"],
+        ["optim.lr=2e-3", "optim.weight_decay=0.8"],
+    ]
+    for bad, match in (
+        (ChangeConfig(name="p", planted=0.9), "'p': planted = 0.9; a planted win is a factor > 1"),
+        (ChangeConfig(name="e", ensemble=2, planted=1.3), "'e': ensemble and planted are different kinds"),
+        (ChangeConfig(name="s", sweep=["optim.lr"]), r"'s': sweep: 'optim.lr' is not section.key=value1"),
+        (ChangeConfig(name="b", sweep=["optim.lr=1,2,3,4,5,6,7", "optim.eps=1,2"]), "14 candidates"),
+        (ChangeConfig(name="n"), "'n': 'set' is empty"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            bad.validate()
+    ChangeConfig(name="ok", ensemble=4).validate()
+    ChangeConfig(name="ok", planted=1.3).validate()
+    with pytest.raises(ConfigError, match="change 'e': ensemble: only mode 'data' uses them"):
+        DeriskConfig(change=[ChangeConfig(name="e", ensemble=2)]).validate()
+
+
+def _kinds_study(tiny_data, **kw):
+    settings = dict(
+        base=str(CONFIG_DIR / "tiny.toml"),
+        set=[f'data.dir="{tiny_data}"', "log.progress=false", "train.threads=1", "checkpoint.every=0"],
+        budgets=[2e10, 6e10],
+        change=[
+            ChangeConfig(name="ens", ensemble=3),
+            ChangeConfig(name="student", distill_from="ens", set=["train.distill_weight=0.5"]),
+            ChangeConfig(
+                name="tuned", sweep=["optim.weight_decay=0.1,0.8"], baseline_sweep=["optim.lr=5e-3,1e-2"]
+            ),
+            ChangeConfig(name="planted", planted=1.5),
+        ],
+        seeds=2,
+        mode="data",
+        unique_tokens=[20_000, 40_000],
+        token_fractions=[0.5, 1.0],
+        ladder=LadderConfig(grid="ratio", min_steps=20, max_depth=1, evals_per_run=0),
+    )
+    return DeriskConfig(**{**settings, **kw})
+
+
+def test_plan_of_each_kind_of_change(tiny_data, tmp_path):
+    """An ensemble trains max(seeds, K) members (seed 0.. of the change's config: a change of no overrides
+    shares them with the baseline's seeds); a student trains after them (phase 1) from ensemble 0 at its
+    scale; a sweep trains every candidate, and its baseline grid the baseline's; a planted win trains the
+    baseline at f x U and f x the tokens."""
+    from tenx.scaling.derisk.data_changes import ensemble_dir
+
+    dc = _kinds_study(tiny_data)
+    planned = plan_data_derisk(dc, out=tmp_path)
+    for scale in dc.budgets:
+        seeds = 2 if scale == min(dc.budgets) else 1
+        at = [p for p in planned if p.scale == scale]
+        members = [p for p in at if p.stage == "ens/member"]
+        assert sorted(p.run.seed for p in members) == [0, 1, 2] and {p.phase for p in members} == {0}
+        base = {config_key(p.run.config) for p in at if p.stage == "baseline" and p.unique == 20_000}
+        shared = [p for p in members if config_key(p.run.config) in base]
+        assert len(shared) == seeds  # the baseline's own seeds at the compared point
+        students = [p for p in at if p.stage == "student"]
+        assert len(students) == seeds and {p.phase for p in students} == {1}
+        assert {p.run.config.train.distill_from for p in students} == {
+            str(ensemble_dir(tmp_path, "ens", scale, 0).resolve())
+        }
+        for i, wd in enumerate((0.1, 0.8)):
+            cand = [p for p in at if p.stage == f"tuned/candidate{i}"]
+            assert len(cand) == seeds and {p.run.config.optim.weight_decay for p in cand} == {wd}
+        anchors = [p for p in at if p.stage.startswith("tuned/anchor")]
+        assert len(anchors) == 2 * seeds and {p.run.config.optim.weight_decay for p in anchors} == {0.1}
+        (planted,) = {p.run.tokens for p in at if p.stage == "planted"}
+        full = max(p.run.tokens for p in at if p.stage == "baseline" and p.unique == 20_000)
+        assert planted == pytest.approx(1.5 * full, rel=0.02)
+        assert {p.run.config.data.max_unique_tokens for p in at if p.stage == "planted"} == {30_000}
+    with pytest.raises(Exception, match="'student': distill_from = 'tuned' is not an ensemble change"):
+        bad = _kinds_study(tiny_data)
+        bad.change[1].distill_from = "tuned"
+        plan_data_derisk(bad, out=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_study_of_each_kind_of_change_trains_assembles_and_prices_them(tiny_data, tmp_path, capsys):
+    """End to end on the tiny corpus: the ensembles are assembled in OUT/ensembles before the students train,
+    each kind is read and priced (ensemble K, student 1 + K/3 + K, planted f), a tuned change names what it
+    picked, and a second call reuses every run and score."""
+    from tenx.scaling.derisk.data_multiplier import run_data_derisk
+
+    ladder = LadderConfig(
+        grid="ratio",
+        min_steps=10,
+        max_depth=2,
+        evals_per_run=0,
+        tokens_per_param=0.3,
+        min_tokens_per_param=0.1,
+    )  # depth 1 at 2e10 FLOPs and depth 2 at 1e11 (the law needs two sizes, and 5 single-epoch points)
+    dc = _kinds_study(
+        tiny_data,
+        bootstrap=10,
+        budgets=[2e10, 1e11],
+        ladder=ladder,
+        unique_tokens=[10_000, 20_000],
+        token_fractions=[0.4, 0.7, 1.0],
+    )
+    result = run_data_derisk(dc, tmp_path)
+    by = {c["name"]: c for c in result["changes"]}
+    assert by["ens"]["compute_multiple"] == 3.0 and by["planted"]["compute_multiple"] == 1.5
+    assert by["student"]["compute_multiple"] == pytest.approx(1 + 1 + 3)
+    assert len(by["tuned"]["notes"]) == 2 and "baseline: optim.lr=" in by["tuned"]["notes"][0]
+    assert all(len(c["multipliers"]) == 2 for c in by.values())
+    assert (tmp_path / "ensembles" / "scores.json").exists()
+    assert sorted(p.name for p in (tmp_path / "ensembles").iterdir() if p.is_dir()) == sorted(
+        f"ens-C{s:.2e}-e{j}".replace("+", "") for s, n in ((2e10, 2), (1e11, 1)) for j in range(n)
+    )
+    capsys.readouterr()
+    again = run_data_derisk(dc, tmp_path)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
+    assert lines and all(x.endswith("(reused)") for x in lines)
+    assert [c["multipliers"] for c in again["changes"]] == [c["multipliers"] for c in result["changes"]]

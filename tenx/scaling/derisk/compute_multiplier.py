@@ -45,30 +45,13 @@ import numpy as np
 from tenx import config as cfglib
 from tenx.config import field
 from tenx.errors import ConfigError, TenxError
+from tenx.scaling.derisk.change import ChangeConfig, split_top_level
 from tenx.scaling.derisk.study import run_study
 from tenx.scaling.ladder.rungs import MAX_SEEDS, LadderConfig, PlannedRun, plan_ladder
 from tenx.scaling.ladder.runner import config_key, ensure_data, format_dry_run, load_base
 from tenx.utils.io import save_png
 
 Z95 = 1.959963984540054
-
-
-@dataclass
-class ChangeConfig:
-    """One candidate change: a name and the config overrides that make it."""
-
-    name: str = field("", help="short name, used in run names and the report")
-    set: list[str] = field(default_factory=list, help="overrides, e.g. ['model.pos=rope']")
-
-    def validate(self) -> None:
-        """Names must be usable in file names; a change must change something."""
-        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
-            raise ConfigError(f"change.name: {self.name!r} must be letters, digits, '-' or '_'")
-        if not self.set:
-            raise ConfigError(f"change {self.name!r}: 'set' is empty; give at least one section.key=value")
-        for item in self.set:
-            if "=" not in item or "." not in item.split("=", 1)[0]:
-                raise ConfigError(f"change {self.name!r}: {item!r} is not section.key=value")
 
 
 @dataclass
@@ -147,6 +130,12 @@ class DeriskConfig:
             raise ConfigError("ladder.grid: derisking trains one size per budget; use 'ratio'")
         if self.mode == "data":
             self._validate_data_mode()
+        elif any(c.data_only for c in self.change):
+            c = next(c for c in self.change if c.data_only)
+            raise ConfigError(
+                f"change {c.name!r}: {', '.join(c.data_only)}: only mode 'data' uses them; set mode = \"data\" "
+                "or leave them out"
+            )
         elif self.unique_tokens or self.compare_unique_tokens is not None or self.law_seeds:
             raise ConfigError(
                 "unique_tokens, compare_unique_tokens, law_seeds: only mode 'data' uses them; set mode = "
@@ -192,29 +181,9 @@ def parse_change(text: str) -> ChangeConfig:
     name, sep, rest = text.partition(":")
     if not sep:
         raise ConfigError(f"--change {text!r}: expected NAME:section.key=value[,...]")
-    change = ChangeConfig(name=name.strip(), set=[s.strip() for s in _split_top(rest) if s.strip()])
+    change = ChangeConfig(name=name.strip(), set=[s.strip() for s in split_top_level(rest) if s.strip()])
     change.validate()
     return change
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside brackets and quotes (values may be TOML lists or strings)."""
-    parts, depth, quote, cur = [], 0, "", ""
-    for ch in text:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        cur += ch
-    return [*parts, cur]
 
 
 def load_derisk(path: str | Path) -> DeriskConfig:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +44,19 @@ import numpy as np
 
 from tenx.errors import ConfigError, DataError
 from tenx.scaling.derisk.compute_multiplier import DeriskConfig, format_multiplier, prepare_stack, verdict
+from tenx.scaling.derisk.data_changes import (
+    ChangeRows,
+    DataRun,
+    assemble_ensembles,
+    distill_compute_multiple,
+    ensemble_rows,
+    plan_change,
+    stage_rows,
+    tag,
+    tuned_rows,
+)
 from tenx.scaling.derisk.study import run_study
-from tenx.scaling.ladder.rungs import PlannedRun, plan_ladder
+from tenx.scaling.ladder.rungs import plan_ladder
 from tenx.scaling.ladder.runner import config_key, format_dry_run, load_base
 from tenx.utils.io import save_png
 
@@ -82,22 +92,6 @@ def effective_data_multiplier(values: np.ndarray, N: Any, loss: Any, baseline_lo
 
 
 # ----- planning --------------------------------------------------------------------------------------
-@dataclass
-class DataRun:
-    """One run of a data-mode study: its config ('baseline' or a change), scale (the budget that chose its
-    size), unique-token cap (None: fresh data), fraction of the scale's tokens and the planned run."""
-
-    stage: str
-    scale: float
-    unique: int | None
-    run: PlannedRun
-    fraction: float = 1.0
-
-
-def _tag(stage: str, unique: int | None) -> str:
-    return stage + ("-fresh" if unique is None else f"-U{unique:.2e}".replace("+", ""))
-
-
 def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
     """The seeds of the baseline's runs at budget `scale`: dc.law_seeds, else dc.seeds at the smallest
     budget and 1 at the others."""
@@ -106,9 +100,12 @@ def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
     return dc.seeds if scale == min(dc.budgets) else 1
 
 
-def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun]:
+def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False, out: str | Path = ".") -> list[DataRun]:
     """The baseline's runs (on each fraction of each scale's tokens: fresh, and under each U below them)
-    and each change's at U_c on the whole of each scale's tokens."""
+    and each change's at U_c on the whole of each scale's tokens (tenx.scaling.derisk.data_changes plans
+    the kinds beyond overrides; `out`: the study's directory, where a distilled change's teacher is). A run
+    planned twice under one stage is planned once; one that two stages share (an ensemble's member and the
+    baseline's seed) is listed under each and trained once (run_data_derisk)."""
     if dc.mode != "data":
         raise ConfigError(f"mode: {dc.mode!r}; plan_data_derisk plans mode 'data' studies")
     lc, overrides, depths = prepare_stack(dc, dry_run=dry_run)
@@ -121,7 +118,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
         for fraction in sorted({*dc.token_fractions, 1.0}):
             part = dataclasses.replace(one, budgets=[scale * fraction], seeds=baseline_seeds(dc, scale))
             try:
-                fresh = plan_ladder(base, part, _tag("baseline", None))
+                fresh = plan_ladder(base, part, tag("baseline", None))
             except ConfigError as e:
                 raise ConfigError(
                     f"token_fractions: {fraction:g} of budget {scale:.3g} at depth {depths[scale]} is too "
@@ -133,7 +130,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
                 # repetition alone; random windows of the whole split are another sample (stratified
                 # against not), which the law would read as a cost or a gain of repetition
                 once = dataclasses.replace(part, unique_tokens=fresh[0].tokens + 1)
-                fresh = plan_ladder(base, once, _tag("baseline", None))
+                fresh = plan_ladder(base, once, tag("baseline", None))
             planned += [DataRun("baseline", scale, None, r, fraction) for r in fresh]
             for u in sorted(set(dc.unique_tokens)):
                 if fresh[0].tokens < u * MIN_CAPPED_EPOCHS:  # (almost) no token read twice: the fresh run
@@ -141,23 +138,19 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False) -> list[DataRun
                 capped = dataclasses.replace(part, unique_tokens=u)
                 planned += [
                     DataRun("baseline", scale, u, r, fraction)
-                    for r in plan_ladder(base, capped, _tag("baseline", u))
+                    for r in plan_ladder(base, capped, tag("baseline", u))
                 ]
+        by_name = {c.name: c for c in dc.change}
         for change in dc.change:
-            cfg = load_base(dc.base, overrides + list(change.set))
-            capped = dataclasses.replace(one, unique_tokens=dc.compare_u, seeds=seeds)
-            planned += [
-                DataRun(change.name, scale, dc.compare_u, r)
-                for r in plan_ladder(cfg, capped, _tag(change.name, dc.compare_u))
-            ]
-    seen: set[str] = set()
-    out = []
+            planned += plan_change(change, by_name, dc.base, overrides, one, scale, seeds, dc.compare_u, out)
+    seen: set[tuple[str, str]] = set()
+    kept = []
     for p in planned:
-        key = config_key(p.run.config)
+        key = (p.stage, config_key(p.run.config))
         if key not in seen:
             seen.add(key)
-            out.append(p)
-    return out
+            kept.append(p)
+    return kept
 
 
 LAW_PARAMETERS = 6
@@ -217,10 +210,17 @@ def point_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def analyse_data(
-    baseline: list[dict[str, Any]], changes: dict[str, list[dict[str, Any]]], dc: DeriskConfig
+    baseline: list[dict[str, Any]],
+    changes: dict[str, list[dict[str, Any]]],
+    dc: DeriskConfig,
+    kinds: dict[str, ChangeRows] | None = None,
 ) -> dict[str, Any]:
     """The law fitted on the baseline's rows, and each change's multiplier per scale with its interval,
-    trend and verdict. A row: budget (its scale), params, tokens, unique_tokens, heldout_loss."""
+    trend and verdict. A row: budget (its scale), params, tokens, unique_tokens, heldout_loss. `kinds`: for
+    a change beyond overrides (tenx.scaling.derisk.data_changes), its rows per scale, anchors, independent
+    repeats, price and notes, in place of `changes`' rows and the baseline's run at the same point; its
+    rows stay out of the pooled seed noise (an ensemble's are neither one run's nor independent)."""
+    kinds = kinds or {}
     from tenx.scaling.fit import fit_data_constrained
 
     points = point_medians(baseline)
@@ -240,7 +240,7 @@ def analyse_data(
     # scale (a run: a config, its tokens and unique tokens)
     runs: dict[tuple[str, float, float], list[float]] = {}
     for name, rows in {"baseline": baseline, **changes}.items():
-        for r in rows:
+        for r in rows if name not in kinds else ():
             if r["budget"] == smallest:
                 runs.setdefault((name, r["tokens"], r["unique_tokens"]), []).append(r["heldout_loss"])
     groups = [g for g in runs.values() if len(g) > 1]
@@ -256,8 +256,9 @@ def analyse_data(
     logc = np.log10(np.array(scales))
     q = 100 * (1 - fit.level) / 2
     out_changes = []
-    for name, rows in changes.items():
-        at = [[r for r in rows if r["budget"] == s] for s in scales]
+    for name in [*changes, *(k for k in kinds if k not in changes)]:
+        kind = kinds.get(name)
+        at = kind.rows if kind else [[r for r in changes[name] if r["budget"] == s] for s in scales]
         missing = [s for s, a in zip(scales, at) if not a]
         if missing:
             raise DataError(f"change {name!r}: no run at budget {missing[0]:.3g}")
@@ -265,9 +266,17 @@ def analyse_data(
             np.array([np.median([r[k] for r in a]) for a in at])
             for k in ("params", "tokens", "unique_tokens", "heldout_loss")
         )
-        n = np.array([len(a) for a in at])
+        n = np.array(kind.independent if kind and kind.independent else [len(a) for a in at])
         # the baseline's own runs at the same scale, tokens and unique tokens: the anchor of each multiplier
-        anchor = [_same_run(baseline, s, a[0]) for s, a in zip(scales, at)]
+        # (a planted win's: at the compared U, which it was given more of; a tuned change's: the tuned baseline)
+        if kind and kind.anchors:
+            anchor = kind.anchors
+        else:
+            u = dc.compare_u if kind and kind.planted else None
+            anchor = [
+                _same_run(baseline, s, {"unique_tokens": u or a[0]["unique_tokens"]})
+                for s, a in zip(scales, at)
+            ]
         missing = [s for s, a in zip(scales, anchor) if not a]
         if missing:
             raise DataError(
@@ -314,6 +323,8 @@ def analyse_data(
                 for j, s in enumerate(scales)
             ],
         }
+        if kind:
+            entry.update(compute_multiple=kind.compute_multiple, notes=kind.notes)
         entry["verdict"] = verdict(entry, dc.tolerance)
         out_changes.append(entry)
     N_b, D_b, U_b, L_b = (_column(baseline, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
@@ -508,32 +519,72 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
 
 # ----- the whole study -------------------------------------------------------------------------------
 def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
-    """Train the baseline's and the changes' runs (reusing runs already in OUT), fit, report."""
+    """Train the baseline's and the changes' runs (reusing runs already in OUT), fit, report. A run two
+    stages share trains once; distilled students train in a second phase, after the ensembles they learn
+    from are assembled (OUT/ensembles)."""
     out = Path(out)
-    planned = plan_data_derisk(dc, dry_run=dry_run)
+    planned = plan_data_derisk(dc, dry_run=dry_run, out=out)
     check_law_fits(planned)  # before anything trains, and in the dry run
+    unique: list[DataRun] = []
+    index: dict[str, int] = {}
+    of: list[int] = []  # planned[i] trains as unique[of[i]]
+    for p in planned:
+        key = config_key(p.run.config)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(p)
+        of.append(index[key])
     if dry_run:
         for name in ["baseline", *(c.name for c in dc.change)]:
-            print(f"{name}: {len([p for p in planned if p.stage == name])} runs")
-        print(format_dry_run([p.run for p in planned], dc.ladder))
+            mine = [i for i, p in enumerate(planned) if p.stage.split("/")[0] == name]
+            own = [i for i in mine if unique[of[i]] is planned[i]]
+            print(f"{name}: {len(mine)} runs" + (f" ({len(own)} its own)" if len(own) != len(mine) else ""))
+        print(format_dry_run([p.run for p in unique], dc.ladder))
         for warning in plan_warnings(planned):
             print(f"WARNING: {warning}")
         return {}
-    runs = [p.run for p in planned]
+    scales = sorted(dc.budgets)
+    seeds_at = {s: dc.seeds if s == scales[0] else 1 for s in scales}  # a change's seeds at each scale
+    ensembles = [c for c in dc.change if c.ensemble > 1]
+
+    def found(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        return {i: {**rows[of[i]], "budget": p.scale} for i, p in enumerate(planned) if of[i] in rows}
+
+    def assemble(rows: dict[int, dict[str, Any]]) -> None:
+        for c in ensembles:
+            assemble_ensembles(c, planned, found(rows), scales, seeds_at, out)
 
     def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        found = {i: {**row, "budget": planned[i].scale} for i, row in rows.items()}
-        baseline = [found[i] for i, p in enumerate(planned) if p.stage == "baseline"]
-        changes = {c.name: [found[i] for i, p in enumerate(planned) if p.stage == c.name] for c in dc.change}
-        return analyse_data(baseline, changes, dc)
+        assemble(rows)
+        got = found(rows)
+        baseline = [got[i] for i, p in enumerate(planned) if p.stage == "baseline" and i in got]
+        plain = {
+            c.name: [got[i] for i, p in enumerate(planned) if p.stage == c.name and i in got]
+            for c in dc.change
+            if not c.data_only
+        }
+        by_name = {c.name: c for c in dc.change}
+        kinds: dict[str, ChangeRows] = {}
+        for c in dc.change:
+            if c.ensemble > 1:
+                kinds[c.name] = ensemble_rows(c, planned, got, scales, seeds_at, out, dc.ladder.eval_bytes)
+            elif c.sweep or c.baseline_sweep:
+                kinds[c.name] = tuned_rows(c, planned, got, scales, out / "ladder", dc.ladder.eval_bytes)
+            elif c.planted or c.distill_from:
+                at = [stage_rows(got, planned, c.name, s) for s in scales]
+                price = c.planted or distill_compute_multiple(by_name[c.distill_from])
+                kinds[c.name] = ChangeRows(at, compute_multiple=price, planted=bool(c.planted))
+        return analyse_data(baseline, plain, dc, kinds)
 
     return run_study(
         dc,
         out,
-        runs,
+        [p.run for p in unique],
         describe=lambda row: f"{row['epochs']:.3g} epochs, held-out {row['heldout_loss']:.4f} nats/token",
         analyse=analysed,
         report=format_data_derisk,
         plot=plot_data_report,
         splits=("heldout",),  # what the law reads
+        phases=[p.phase for p in unique],
+        between=assemble,
     )
