@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tenx.checkpoint.models import load_model  # noqa: E402
 from tenx.data.codebase import read_codebase  # noqa: E402
 from tenx.data.manifest import read_manifest  # noqa: E402
 from tenx.data.tokenizer import load_tokenizer  # noqa: E402
 from tenx.eval.adaptive import AdaptConfig, adaptive_report  # noqa: E402
 from tenx.eval.documents import codebase_documents, split_documents  # noqa: E402
-from tenx.checkpoint.models import load_model  # noqa: E402
 
 
 def figures_of(model, docs, table: list[bytes], eot: int, cfg: AdaptConfig) -> dict[str, float]:

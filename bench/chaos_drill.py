@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from tenx.checkpoint.interval import expected_goodput
+from tenx.checkpoint.models import load_model
 from tenx.data.prepare.pipeline import PrepareConfig, is_prepared, prepare
 from tenx.data.prepare.sources import copy_stdlib_packages
-from tenx.checkpoint.models import load_model
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, format_goodput
 from tenx.train.callbacks.faults import parse_fault

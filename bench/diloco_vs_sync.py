@@ -50,8 +50,8 @@ def heldout_loss(run_dir: Path) -> float:
     """Loss (nats/token) of the run's final checkpoint on the whole held-out split, in fp32."""
     import torch
 
-    from tenx.eval.bpb import eval_split
     from tenx.checkpoint.models import load_model
+    from tenx.eval.bpb import eval_split
 
     torch.set_num_threads(2)
     loaded = load_model(run_dir, "cpu")
