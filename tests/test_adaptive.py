@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from tenx.checkpoint.models import load_model
 from tenx.cli import main
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import load_tokenizer
 from tenx.eval.adaptive import AdaptConfig, adaptive_token_nll
-from tenx.checkpoint.models import load_model
 from tenx.train.run import train
 
 

@@ -20,9 +20,9 @@ import pytest
 from test_behaviour_unchanged import _cpu_kind
 from test_resume_old_checkpoint import CHECKPOINT_DIR, prepare_old_checkpoint_data
 
+from tenx.checkpoint.models import LoadedModel, load_model
 from tenx.compress.codec import CodecModel, compress_bytes, decompress_bytes, load_codec
 from tenx.compress.container import CodecAdaptation, read_header
-from tenx.checkpoint.models import LoadedModel, load_model
 
 GOLDEN = Path(__file__).parent / "fixtures" / "codec_golden"
 ADAPT = CodecAdaptation(lr=1e-3, every=8)

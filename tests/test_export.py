@@ -12,10 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tenx.checkpoint.models import load_model  # noqa: E402
 from tenx.data.prepare.pipeline import PrepareConfig, prepare  # noqa: E402
 from tenx.data.tokenizer import EOT_TEXT, load_tokenizer  # noqa: E402
 from tenx.errors import TenxError  # noqa: E402
-from tenx.checkpoint.models import load_model  # noqa: E402
 from tenx.eval.sample import generate  # noqa: E402
 from tenx.export.hf import MARKER, export_hf, format_export_summary, hf_architecture  # noqa: E402
 from tenx.model import ModelConfig  # noqa: E402

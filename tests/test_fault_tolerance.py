@@ -15,9 +15,9 @@ import torch
 
 from tenx import checkpoint as ckpt
 from tenx.checkpoint.interval import expected_goodput, young_daly_interval_s
+from tenx.checkpoint.models import load_model
 from tenx.cli import main
 from tenx.errors import ConfigError, DataError
-from tenx.checkpoint.models import load_model
 from tenx.launch.supervise import SupervisorConfig, describe_failure_point, supervise
 from tenx.monitor.events import read_events
 from tenx.monitor.goodput import compute_goodput, format_goodput

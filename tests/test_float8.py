@@ -16,9 +16,9 @@ from test_cuda_contracts import A100, H100, FakeGpus
 from torch import nn
 
 import tenx.train.parts as parts
+from tenx.checkpoint.models import load_model
 from tenx.cli import main
 from tenx.errors import ConfigError
-from tenx.checkpoint.models import load_model
 from tenx.hardware import resolve_precision
 from tenx.model.config import ModelConfig
 from tenx.model.transformer import Transformer

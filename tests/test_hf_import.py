@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tenx.checkpoint.models import load_model  # noqa: E402
 from tenx.cli import main  # noqa: E402
 from tenx.data.manifest import read_manifest  # noqa: E402
 from tenx.data.tokenizer import BPE_FILE, load_hf_tokenizer, load_tokenizer, train_bpe  # noqa: E402
 from tenx.errors import TenxError  # noqa: E402
-from tenx.checkpoint.models import load_model  # noqa: E402
 from tenx.export.hf import export_hf  # noqa: E402
 from tenx.export.hf_import import (  # noqa: E402
     InitFromHF,

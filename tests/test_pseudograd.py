@@ -13,8 +13,8 @@ import torch
 from test_replicas import Drill, _final_params, _metrics
 from torchft.work import _DummyWork
 
-from tenx.errors import ConfigError
 from tenx.checkpoint.models import load_model
+from tenx.errors import ConfigError
 from tenx.parallel.outer import outer_lr_for, outer_rule, resolve_outer
 from tenx.parallel.pseudograd import (
     BLOCK,

@@ -23,8 +23,8 @@ import torch
 
 os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at info
 
-from tenx.errors import TenxError
 from tenx.checkpoint.models import load_model
+from tenx.errors import TenxError
 from tenx.monitor.events import read_events
 from tenx.parallel import cli as lighthouse_cli
 from tenx.parallel.lighthouse import start_lighthouse

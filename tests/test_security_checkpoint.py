@@ -33,8 +33,8 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from tenx import checkpoint as ckpt
-from tenx.errors import CheckpointError, TenxError, UnsafeCheckpointError
 from tenx.checkpoint.models import load_model
+from tenx.errors import CheckpointError, TenxError, UnsafeCheckpointError
 from tenx.monitor.status import format_status
 from tenx.train.config import CONFIG_DIR, load_run_config
 from tenx.train.run import train

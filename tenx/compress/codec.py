@@ -40,6 +40,7 @@ import constriction
 import numpy as np
 import torch
 
+from tenx.checkpoint.models import LoadedModel
 from tenx.compress.adapt import AdaptiveHead
 from tenx.compress.container import (
     ADAPTIVE_VERSION,
@@ -56,7 +57,6 @@ from tenx.compress.fixed import FixedStepper, FixedWeights, fixed_frequencies
 from tenx.compress.float32 import FREQ_SCALE, FloatStepper, float_frequencies
 from tenx.compress.model import CodecModel, load_codec, spell, to_ids
 from tenx.errors import TenxError
-from tenx.checkpoint.models import LoadedModel
 from tenx.model.transformer import Block, Transformer
 from tenx.rundir import step_dir_name
 from tenx.utils.cpus import usable_cpu_count

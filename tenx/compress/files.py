@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tenx.checkpoint.models import LoadedModel
 from tenx.compress.codec import MAX_BYTES, compress_bytes, decompress_bytes, decompress_many
 from tenx.compress.container import CodecAdaptation, read_header
 from tenx.compress.model import CodecModel, load_codec
 from tenx.errors import TenxError
-from tenx.checkpoint.models import LoadedModel
 from tenx.utils.io import atomic_write_bytes, check_output_file, regular_input_file
 
 

@@ -280,8 +280,8 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
 
 def cmd_sample(args: argparse.Namespace) -> None:
     """Print a continuation of the prompt by a run's model."""
-    from tenx.data.tokenizer import load_tokenizer
     from tenx.checkpoint.models import load_model
+    from tenx.data.tokenizer import load_tokenizer
     from tenx.eval.sample import check_sampling, generate
     from tenx.utils.cpus import set_torch_threads
 
