@@ -22,6 +22,8 @@ import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -176,6 +178,24 @@ def end_process(code: int) -> None:
             pass
     logging.shutdown()
     os._exit(code)
+
+
+@contextmanager
+def distributed_group(env: DistEnv, device: torch.device, cfg: ParallelConfig) -> Iterator[None]:
+    """The torchrun job's process group for the body (init_distributed): left cleanly when the body ends,
+    abandoned without a barrier when it raises (its peers may be gone). A group joined before is left as
+    it is."""
+    owns = init_distributed(env, device, cfg)
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        if owns:
+            if finished:
+                shutdown_distributed()
+            else:
+                abandon_distributed()
 
 
 def rank_device(device: torch.device, env: DistEnv) -> torch.device:

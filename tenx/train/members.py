@@ -28,20 +28,13 @@ from tenx import checkpoint as ckpt
 from tenx import config as cfglib
 from tenx.errors import TenxError
 from tenx.hardware import pick_device
-from tenx.parallel.distributed import (
-    abandon_distributed,
-    dist_env,
-    init_distributed,
-    rank_device,
-    shutdown_distributed,
-)
+from tenx.parallel.distributed import dist_env, distributed_group, rank_device
 from tenx.rundir import RunDir
 from tenx.train.config import RunConfig
 from tenx.train.hooks import Callback
 from tenx.train.trainer import Trainer
 from tenx.utils.io import atomic_write_json, atomic_write_text, read_json_object
-from tenx.utils.lock import exclusive_writer
-from tenx.utils.storage import ensure_writable
+from tenx.utils.lock import as_run_writer
 
 TrainOne = Callable[..., tuple[Trainer, dict[str, Any]]]
 """tenx.train.run.train: trains one ordinary run (passed in, since that module dispatches here)."""
@@ -85,13 +78,11 @@ def train_ensemble(
     the ensemble's manifest and provenance (rank 0). Each member gets its own deep copy of
     `extra_callbacks`. Returns the last member's trainer and its metrics, with "members" (each member's last
     metrics; {} for one already finished) and "ensemble" (the manifest's path) added."""
-    run = RunDir(run_dir)
-    ensure_writable(run.root, "run directory")
-    env = dist_env()
-    if env.rank != 0:
-        return _train_members(cfg, run, train_one, resume, extra_callbacks, resume_hint)
-    with exclusive_writer(run.writer_lock, "run directory"):
-        return _train_members(cfg, run, train_one, resume, extra_callbacks, resume_hint)
+    return as_run_writer(
+        run_dir,
+        dist_env().rank,
+        lambda run: _train_members(cfg, run, train_one, resume, extra_callbacks, resume_hint),
+    )
 
 
 def _train_members(
@@ -122,13 +113,12 @@ def _train_members(
     if env.rank == 0:
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.config, cfglib.dumps_toml(cfg))
-    owns_group = init_distributed(  # once for every member: each one's train finds it joined
-        env, rank_device(pick_device(cfg.train.device, "train.device"), env), cfg.parallel
-    )
-    finished = False
     trainer: Trainer | None = None
     results: list[dict[str, Any]] = []
-    try:
+    device = rank_device(pick_device(cfg.train.device, "train.device"), env)
+    with distributed_group(
+        env, device, cfg.parallel
+    ):  # once for every member: each one's train finds it joined
         for k in range(count):
             if resume is not None and k + 1 < count and run.member(k + 1).exists():
                 results.append({})  # a later member has started: this one finished
@@ -141,13 +131,6 @@ def _train_members(
                 resume_hint=resume_hint,
             )
             results.append(metrics)
-        finished = True
-    finally:
-        if owns_group:
-            if finished:
-                shutdown_distributed()
-            else:
-                abandon_distributed()
     assert trainer is not None  # the last member always trains (or resumes) here
     if env.rank == 0:
         _write_ensemble(cfg, run)

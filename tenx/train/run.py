@@ -10,14 +10,7 @@ from tenx import config as cfglib
 from tenx.checkpoint.writer import kept_checkpoints
 from tenx.errors import TenxError
 from tenx.hardware import pick_device
-from tenx.parallel.distributed import (
-    DistEnv,
-    abandon_distributed,
-    dist_env,
-    init_distributed,
-    rank_device,
-    shutdown_distributed,
-)
+from tenx.parallel.distributed import DistEnv, dist_env, distributed_group, rank_device
 from tenx.rundir import RunDir
 from tenx.train.callbacks import Checkpointing, Validation
 from tenx.train.callbacks.consistency import ConsistencyCheck
@@ -31,8 +24,8 @@ from tenx.train.callbacks.watch import Watch
 from tenx.train.config import RunConfig
 from tenx.train.members import check_single_run_dir, train_ensemble
 from tenx.train.trainer import Callback, Trainer
-from tenx.utils.lock import exclusive_writer
-from tenx.utils.storage import describe_storage_problem, ensure_writable
+from tenx.utils.lock import as_run_writer
+from tenx.utils.storage import describe_storage_problem
 
 
 def default_callbacks(cfg: RunConfig, extra: list[Callback] | None = None, rank: int = 0) -> list[Callback]:
@@ -101,13 +94,10 @@ def train(
     if cfg.model.ensemble > 1:
         return train_ensemble(cfg, run_dir, train, resume, extra_callbacks, resume_hint)
     check_single_run_dir(run_dir)
-    run = RunDir(run_dir)
-    ensure_writable(run.root, "run directory")
-    env = dist_env()
-    if env.rank != 0:  # rank 0 holds the run's lock (one writer per run directory) for the job
-        return _train(cfg, run, env, resume, extra_callbacks, resume_hint)
-    with exclusive_writer(run.writer_lock, "run directory"):
-        return _train(cfg, run, env, resume, extra_callbacks, resume_hint)
+    env = dist_env()  # rank 0 holds the run's lock (one writer per run directory) for the job
+    return as_run_writer(
+        run_dir, env.rank, lambda run: _train(cfg, run, env, resume, extra_callbacks, resume_hint)
+    )
 
 
 def _train(
@@ -124,11 +114,8 @@ def _train(
             f"run directory {run_dir} already has checkpoints; pass --resume auto to continue it, "
             "or choose another --run-dir"
         )
-    owns_group = init_distributed(
-        env, rank_device(pick_device(cfg.train.device, "train.device"), env), cfg.parallel
-    )
-    finished = False
-    try:
+    device = rank_device(pick_device(cfg.train.device, "train.device"), env)
+    with distributed_group(env, device, cfg.parallel):
         trainer = Trainer(cfg, run, default_callbacks(cfg, extra_callbacks, env.rank), env=env)
         if resume_hint is not None:
             trainer.resume_hint = resume_hint
@@ -153,11 +140,4 @@ def _train(
                 f"{kept_checkpoints(checkpoints)}. Free space, then continue with "
                 "--resume auto"
             ) from e
-        finished = True
-    finally:
-        if owns_group:
-            if finished:
-                shutdown_distributed()
-            else:
-                abandon_distributed()
     return trainer, metrics

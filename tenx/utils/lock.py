@@ -24,12 +24,15 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tenx.errors import TenxError
+from tenx.rundir import RunDir
+
+T = TypeVar("T")
 
 HOLDER_ENV = "TENX_LOCK_HOLDER"
 """PID:PATH of a lock a parent process holds for its children (a line each)."""
@@ -155,3 +158,16 @@ def _only(path: Path) -> bool:
         return [p.name for p in path.parent.iterdir()] == [path.name]
     except OSError:
         return False
+
+
+def as_run_writer(run_dir: str | os.PathLike[str], rank: int, body: Callable[[RunDir], T]) -> T:
+    """`body(RunDir(run_dir))` as the run's one writer: the directory is checked writable first, and rank 0
+    holds its writer lock throughout (the other ranks of the job write through rank 0's lock)."""
+    from tenx.utils.storage import ensure_writable
+
+    run = RunDir(run_dir)
+    ensure_writable(run.root, "run directory")
+    if rank != 0:
+        return body(run)
+    with exclusive_writer(run.writer_lock, "run directory"):
+        return body(run)

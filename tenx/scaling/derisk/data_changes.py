@@ -143,27 +143,17 @@ def stage_rows(
     return [found[i] for i, p in enumerate(planned) if p.stage == stage and p.scale == scale and i in found]
 
 
-def assemble_ensembles(
+def ensembles(
     change: ChangeConfig,
     planned: list[DataRun],
     found: dict[int, dict[str, Any]],
-    scales: list[float],
-    seeds_at: dict[float, int],
-    out: str | Path,
-) -> None:
-    """Write OUT/ensembles/NAME-C<scale>-e<j>/ensemble.json for every ensemble of `change` (members: the run
-    directories of its member runs, in seed order)."""
-    from tenx.checkpoint.models import assemble_ensemble
-
-    for scale in scales:
-        members = sorted(stage_rows(found, planned, f"{change.name}/member", scale), key=lambda r: r["seed"])
-        for j in range(seeds_at[scale]):
-            chosen = [Path(members[(j + i) % len(members)]["run_dir"]) for i in range(change.ensemble)]
-            target = ensemble_dir(out, change.name, scale, j)
-            if rundir.RunDir(target).ensemble.exists():
-                continue  # assembled by an earlier call (its members are the same planned runs)
-            target.mkdir(parents=True, exist_ok=True)
-            assemble_ensemble(chosen, target)
+    scale: float,
+    count: int,
+) -> list[list[dict[str, Any]]]:
+    """The member rows of each of `count` ensembles of `change` at `scale`: ensemble j of members j..j+K-1
+    of its member runs in seed order, cyclically."""
+    members = sorted(stage_rows(found, planned, f"{change.name}/member", scale), key=lambda r: r["seed"])
+    return [[members[(j + i) % len(members)] for i in range(change.ensemble)] for j in range(count)]
 
 
 def ensemble_rows(
@@ -175,23 +165,30 @@ def ensemble_rows(
     out: str | Path,
     eval_bytes: int,
 ) -> ChangeRows:
-    """Each ensemble of `change` scored on the held-out split (cached in OUT/ensembles/scores.json)."""
+    """Each ensemble of `change` assembled (OUT/ensembles/NAME-C<scale>-e<j>/ensemble.json, listing its
+    members' run directories, unless an earlier call wrote it) and scored on the held-out split (cached in
+    OUT/ensembles/scores.json, by its members' keys)."""
+    from tenx.checkpoint.models import assemble_ensemble
+
     cache_path = Path(out) / ENSEMBLES / SCORES
     cache: dict[str, Any] = read_json_object(cache_path) if cache_path.exists() else {}
     rows, independent = [], []
     for scale in scales:
-        members = sorted(stage_rows(found, planned, f"{change.name}/member", scale), key=lambda r: r["seed"])
         at = []
-        for j in range(seeds_at[scale]):
-            chosen = [members[(j + i) % len(members)] for i in range(change.ensemble)]
+        for j, chosen in enumerate(ensembles(change, planned, found, scale, seeds_at[scale])):
+            target = ensemble_dir(out, change.name, scale, j)
+            if not rundir.RunDir(target).ensemble.exists():
+                target.mkdir(parents=True, exist_ok=True)
+                assemble_ensemble([Path(r["run_dir"]) for r in chosen], target)
             key = "+".join(r["key"] for r in chosen)
             if key not in cache:
-                ev = evaluate_run(ensemble_dir(out, change.name, scale, j), eval_bytes, ("heldout",))
+                ev = evaluate_run(target, eval_bytes, ("heldout",))
                 cache[key] = ev["heldout"]["loss"]
                 atomic_write_json(cache_path, cache)
             at.append({**chosen[0], "heldout_loss": cache[key], "ensemble": j, "members": len(chosen)})
         rows.append(at)
-        independent.append(max(1, min(len(at), len(members) // change.ensemble)))
+        members = len(stage_rows(found, planned, f"{change.name}/member", scale))
+        independent.append(max(1, min(len(at), members // change.ensemble)))
     return ChangeRows(rows, independent=independent, compute_multiple=float(change.ensemble))
 
 

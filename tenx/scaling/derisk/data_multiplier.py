@@ -47,7 +47,6 @@ from tenx.scaling.derisk.compute_multiplier import DeriskConfig, format_multipli
 from tenx.scaling.derisk.data_changes import (
     ChangeRows,
     DataRun,
-    assemble_ensembles,
     distill_compute_multiple,
     ensemble_rows,
     plan_change,
@@ -550,12 +549,11 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     def found(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         return {i: {**rows[of[i]], "budget": p.scale} for i, p in enumerate(planned) if of[i] in rows}
 
-    def assemble(rows: dict[int, dict[str, Any]]) -> None:
+    def assemble(rows: dict[int, dict[str, Any]]) -> None:  # the teachers, before their students train
         for c in ensembles:
-            assemble_ensembles(c, planned, found(rows), scales, seeds_at, out)
+            ensemble_rows(c, planned, found(rows), scales, seeds_at, out, dc.ladder.eval_bytes)
 
     def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        assemble(rows)
         got = found(rows)
         baseline = [got[i] for i, p in enumerate(planned) if p.stage == "baseline" and i in got]
         plain = {
