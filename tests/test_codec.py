@@ -13,6 +13,7 @@ import torch
 
 from tenx.cli import main
 from tenx.compress import codec as codec_mod
+from tenx.compress import mixture as mixture_mod
 from tenx.compress.codec import compress_bytes, decompress_bytes, load_codec, read_header
 from tenx.compress.container import HEADER_BYTES
 from tenx.compress.files import compress_file, decompress_file
@@ -299,7 +300,7 @@ def test_a_forged_header_is_refused_in_under_a_second(blob, codec, tokens, body)
 def test_the_bound_holds_for_tokens_as_likely_as_the_coder_allows(codec, monkeypatch):
     """The information bound never refuses a real file: tokens the model gives the largest probability the
     coder can code (50,000 of them in one 32-bit word) still round-trip."""
-    real = codec_mod.fixed_frequencies
+    real = mixture_mod.fixed_frequencies  # the frequencies format 4 codes with
     z = int(codec.byte_ids[ord("z")])
 
     def certain(logits, vocab, eot):
@@ -307,7 +308,7 @@ def test_the_bound_holds_for_tokens_as_likely_as_the_coder_allows(codec, monkeyp
         freqs[:, z] += 2.0**40
         return freqs
 
-    monkeypatch.setattr(codec_mod, "fixed_frequencies", certain)
+    monkeypatch.setattr(mixture_mod, "fixed_frequencies", certain)
     for data in (b"z" * 50_000, b"z" * 3000 + b"a" + b"z" * 3000):
         packed = compress_bytes(codec, data)
         assert read_header(packed).words <= 2
@@ -323,14 +324,14 @@ def test_output_is_verified_before_it_is_written(codec, tmp_path, monkeypatch):
     src, packed, out = tmp_path / "a.txt", tmp_path / "a.tenx", tmp_path / "out.txt"
     src.write_bytes(b"import json\n" * 50)
     compress_file(codec, src, packed)
-    real = codec_mod.fixed_frequencies
+    real = mixture_mod.fixed_frequencies  # the frequencies format 4 codes with
 
     def skewed(logits, vocab, eot):  # what another CPU's rounding could do to the decoder's side
         freqs = real(logits, vocab, eot)
         freqs[:, 0] += 1e6
         return freqs
 
-    monkeypatch.setattr(codec_mod, "fixed_frequencies", skewed)
+    monkeypatch.setattr(mixture_mod, "fixed_frequencies", skewed)
     with pytest.raises(TenxError, match="do not match the original's xxhash"):
         decompress_file(codec, packed, out)
     assert not out.exists()

@@ -1,7 +1,7 @@
 """Ensembles (model.ensemble = K, `tenx ensemble`): the mixture averages probabilities (exact against a hand
 computation), member k is the single run of seed + k bit for bit, an interrupted ensemble resumes bit for
-bit, eval/sample read the mixture, compress refuses it, one member exports, and hostile manifests are refused
-by file and field."""
+bit, eval/sample read the mixture, compress codes with it, one member exports, and hostile manifests are
+refused by file and field."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from torch import nn
 
 from tenx.checkpoint.models import MAX_MEMBERS, assemble_ensemble, ensemble_members, load_model
 from tenx.cli import main
+from tenx.compress.codec import compress_bytes, decompress_bytes
+from tenx.compress.container import ENSEMBLE_VERSION, read_header
 from tenx.compress.model import load_codec
 from tenx.errors import ConfigError, TenxError
 from tenx.eval.bpb import eval_split
@@ -174,11 +176,15 @@ def test_eval_and_sample_read_the_mixture(runs, tiny_data):
     )
 
 
-def test_compress_refuses_an_ensemble_and_says_what_to_use(runs):
-    with pytest.raises(TenxError, match=r"is an ensemble: the \.tenx formats .* RUN/members/K.*tenx eval"):
-        load_codec(runs.ens)
-    with pytest.raises(TenxError, match="is an ensemble"):
-        load_codec(load_model(runs.ens, "cpu"))
+def test_compress_codes_with_the_mixture_and_names_each_member(runs):
+    codec = load_codec(load_model(runs.ens, "cpu"))  # loaded first, or from the directory: the same
+    assert [m.checkpoint for m in codec.members] == [m.checkpoint for m in load_codec(runs.ens).members]
+    assert [m.step for m in codec.members] == [4, 4] and codec.checkpoint == runs.ens
+    data = b"def f(x):\n    return x\n" * 4
+    blob = compress_bytes(codec, data)
+    assert read_header(blob).version == ENSEMBLE_VERSION and decompress_bytes(runs.ens, blob) == data
+    with pytest.raises(TenxError, match="compressed with an ensemble of 2 members .* is one model"):
+        decompress_bytes(RunDir(runs.ens).member(0), blob)  # tests/test_compress_ensemble.py has the rest
 
 
 def test_export_of_one_member_equals_that_member(runs, tmp_path):

@@ -22,6 +22,7 @@ the model together, one position per step, with a key/value cache. Step s feeds 
 (tenx/compress/fixed.py), whose arithmetic every CPU kind, thread count and GPU rounds alike, and become
 integer frequencies floor(exp(z - max z) * 2**24) + 1 (every token codable) before constriction's range
 coder quantises them; format version 1's float32 kernels (`FloatStepper`) are still read, where they run.
+An ensemble codes with version 5: each member's version-4 frequencies, mixed exactly (tenx/compress/mixture.py).
 The container (header, checksums, format versions) is tenx/compress/container.py; `tenx compress --adapt`
 (format version 3) lets the output layer learn as it codes (tenx/compress/adapt.py).
 The checksums stop accidents, not forgers: the token count is checked against the body's bits before
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from tenx.checkpoint.models import LoadedModel
+from tenx.compress import mixture
 from tenx.compress.adapt import AdaptiveHead
 from tenx.compress.container import (
     ADAPTIVE_VERSION,
@@ -64,7 +66,7 @@ from tenx.utils.text import counted
 
 __all__ = ["CodecModel", "compress_bytes", "decompress_bytes", "decompress_many", "load_codec", "to_ids"]
 
-JOINT_VERSIONS = (2, 4)
+JOINT_VERSIONS = (2, 4, 5)
 """Format versions whose files `_decode_jointly` decodes (exact arithmetic, no learning while coding)."""
 MAX_GROUP = 256
 """Chunks coded side by side: one forward step serves this many tokens (measured on the quickstart model,
@@ -130,7 +132,8 @@ def _code(
     vocab, eot, device = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, codec.device
     starts = np.arange(0, len(tokens_N), chunk)
     spent, done = 0.0, 0
-    weights = cast(FixedWeights, None) if version == 1 else codec.fixed_weights(LINEAR_BITS[version])
+    members = [] if version == 1 else codec.member_weights(LINEAR_BITS[version])
+    weights = cast(FixedWeights, members[0] if members else None)  # one model's: versions 1 and 3
     head = None if adapt is None else AdaptiveHead(weights, adapt)
     for g in range(0, len(starts), group):
         first_R = starts[g : g + group]
@@ -139,13 +142,14 @@ def _code(
         frequencies = float_frequencies if version == 1 else fixed_frequencies
         inputs_R = torch.full((len(first_R),), eot, dtype=torch.long)
         known = None  # the encoder knows every token: all positions in one pass, the same bits (fixed.py)
+        if not decoding and head is None and version != 1:
+            known_K = [_hidden_all(w, tokens_N, first_R, int(length_R[0]), eot) for w in members]
+            _encode_known(codec, members, known_K, tokens_N, first_R, length_R, coder)
+            continue
         if not decoding and version != 1:
             known = _hidden_all(weights, tokens_N, first_R, int(length_R[0]), eot)
-            if head is None:
-                _encode_known(codec, weights, known, tokens_N, first_R, length_R, coder)
-                continue
         elif version == 1:
-            step: Any = FloatStepper(codec.model, rows)
+            step: Any = FloatStepper(cast(Transformer, codec.model), rows)  # one model (ensemble_version)
         else:
             step = FixedStepper(weights, rows)
         for s in range(int(length_R[0])):
@@ -211,9 +215,9 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
         for version in versions:
             _decode_jointly(codec, [stream for stream in streams if stream.header.version == version])
         return
-    weights = codec.fixed_weights(LINEAR_BITS[versions[0]])
+    members = codec.member_weights(LINEAR_BITS[versions[0]])
     family = constriction.stream.model.Categorical(perfect=False)
-    vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec.model)
+    vocab, eot, limit = codec.tokenizer.vocab_size, codec.tokenizer.eot_id, _group(codec)
     pending = {i: stream.groups() for i, stream in enumerate(streams)}
     order = sorted(pending, key=lambda i: -streams[i].header.tokens)
     threads = max([decode_threads(s.header, s.name) for s in streams], default=1)
@@ -229,15 +233,17 @@ def _decode_jointly(codec: CodecModel, streams: list[_Stream]) -> None:
         if not batch:
             break
         length_R = np.concatenate([np.minimum(st.header.chunk, st.header.tokens - f) for st, f in batch])
-        step = FixedStepper(weights, rows)
+        steps = [FixedStepper(w, rows) for w in members]
         inputs_R = torch.full((rows,), eot, dtype=torch.long)
         with _fixed_numerics(threads):
             for s in range(int(length_R.max())):
                 if all(stream.error is not None for stream, _ in batch):
                     break
                 live = np.flatnonzero(length_R > s)  # each file's live rows: a prefix of its own
-                hidden = step.hidden(inputs_R.to(codec.device), s)[torch.from_numpy(live).to(codec.device)]
-                freqs = fixed_frequencies(step.w.head(hidden), vocab, eot)
+                live_t = torch.from_numpy(live).to(codec.device)
+                freqs = mixture.frequencies(
+                    [(st.w, st.hidden(inputs_R.to(codec.device), s)[live_t]) for st in steps], vocab, eot
+                )
                 row = cursor = 0
                 for stream, first in batch:
                     active = int(np.count_nonzero(length_R[row : row + len(first)] > s))
@@ -274,8 +280,8 @@ def _ran_out(done: int, tokens: int, spent: float, budget: float) -> TenxError:
 
 def _encode_known(
     codec: CodecModel,
-    weights: FixedWeights,
-    known_RLD: torch.Tensor,
+    members: list[FixedWeights],
+    known_KRLD: list[torch.Tensor],
     tokens_N: np.ndarray,
     first_R: np.ndarray,
     length_R: np.ndarray,
@@ -285,7 +291,8 @@ def _encode_known(
     frequencies of ENCODE_POSITIONS rows at a time (every active row of a run of positions, in the order the
     decoder steps: position by position, rows in order), one `encode` call each. The same symbols, the same
     frequencies (every output-layer sum is exact, every elementwise operation sees the same operands) and
-    the same order as coding position by position, so the same code; the decoder has no such shortcut."""
+    the same order as coding position by position, so the same code; the decoder has no such shortcut.
+    An ensemble's members each computed theirs (`known_KRLD`, one per member), and their frequencies mix."""
     family = constriction.stream.model.Categorical(perfect=False)
     vocab, eot = codec.tokenizer.vocab_size, codec.tokenizer.eot_id
     rows = np.arange(len(first_R))
@@ -296,8 +303,8 @@ def _encode_known(
         span = range(s0, min(steps, s0 + per_block))
         row_M = np.concatenate([active[s] for s in span])
         step_M = np.concatenate([np.full(len(active[s]), s) for s in span])
-        hidden = known_RLD[torch.from_numpy(row_M), torch.from_numpy(step_M)]
-        freqs = fixed_frequencies(weights.head(hidden), vocab, eot)
+        at = (torch.from_numpy(row_M), torch.from_numpy(step_M))
+        freqs = mixture.frequencies([(w, known[at]) for w, known in zip(members, known_KRLD)], vocab, eot)
         coder.encode(tokens_N[first_R[row_M] + step_M].astype(np.int32), family, freqs)
 
 
@@ -316,10 +323,13 @@ def _hidden_all(
     return torch.cat(parts)
 
 
-def _group(model: Transformer) -> int:
-    """Chunks side by side: MAX_GROUP, fewer where their key/value cache would pass CACHE_BYTES."""
-    attn = cast(Block, model.blocks[0]).attn
-    per_row = 2 * len(model.blocks) * attn.n_kv_heads * model.cfg.seq_len * attn.head_dim * 8  # float64
+def _group(codec: CodecModel) -> int:
+    """Chunks side by side: MAX_GROUP, fewer where their key/value cache (every member's) would pass
+    CACHE_BYTES."""
+    per_row = 0
+    for model in codec.transformers:
+        attn = cast(Block, model.blocks[0]).attn
+        per_row += 2 * len(model.blocks) * attn.n_kv_heads * model.cfg.seq_len * attn.head_dim * 8  # float64
     return max(1, min(MAX_GROUP, CACHE_BYTES // per_row))
 
 
@@ -382,11 +392,12 @@ def compress_bytes(
             )
         version = ADAPTIVE_VERSION
     codec = load_codec(model)
+    version = mixture.ensemble_version(codec, version, adapt)
     if codec.device.type not in DEVICES:
         raise TenxError(f"compression runs on {' or '.join(DEVICES)}, not {codec.device.type}")
     tokens = to_ids(codec, data)
     chunk = codec.model.cfg.seq_len
-    group = _balanced(-(-len(tokens) // chunk), _group(codec.model))
+    group = _balanced(-(-len(tokens) // chunk), _group(codec))
     encoder = constriction.stream.queue.RangeEncoder()
     with _fixed_numerics(threads):
         _code(codec, tokens, chunk, group, encoder, decoding=False, version=version, adapt=adapt)
@@ -408,6 +419,7 @@ def compress_bytes(
         code_hash=_digest(data if stored else code),
         version=version,
         adapt=adapt,
+        members=mixture.header_members(codec),
     ).pack()
     return header + (data if stored else code)
 
@@ -522,6 +534,7 @@ def _opened(
     codec = load_codec(model, device=header.device if header.version == 1 else "cpu")  # a loaded one: its own
     if header.version == 1 and codec.device.type != header.device:
         raise TenxError(f"{name} was compressed on {header.device}; load the model there to decompress it")
+    mixture.check_members(header, codec, name)
     model_hash, tokenizer_hash = _hex_digest(codec.model_hash), _hex_digest(codec.tokenizer_hash)
     if (header.model_hash, header.tokenizer_hash) != (model_hash, tokenizer_hash):
         raise TenxError(

@@ -4,14 +4,17 @@ Little-endian: the 80 bytes of HEADER (magic b"TENX", format version, torch thre
 stored flag, tokens per chunk, chunks per group, original length, token count, 32-bit words of code,
 checkpoint step, then the xxh3-64 digests of the original bytes, of the checkpoint's manifest file, of the
 tokenizer (its manifest entry's hash) and of the body); in format version 3 the 12 bytes of the
-adaptation's settings (tenx/compress/adapt.py: learning rate as float64, positions between updates); 8
-bytes of xxh3-64 of all that; then the body: the code as 32-bit words, or the original bytes when the code
+adaptation's settings (tenx/compress/adapt.py: learning rate as float64, positions between updates); in
+format version 5 the member count (16 bits) and each member's xxh3-64 of its checkpoint's manifest file and
+its step (16 bytes a member; the fixed header's checkpoint fields then hold the xxh3-64 of the members'
+digests in order and member 0's step); 8 bytes of xxh3-64 of all that; then the body: the code as 32-bit words, or the original bytes when the code
 would be longer (the stored flag set).
 
 Versions: 1, float32 kernels (decodes only where the same kernels run; still read); 2, the fixed-point
 rules of tenx/compress/fixed.py (decodes anywhere); 3, version 2 with an output layer that learns as it
 codes (`tenx compress --adapt`); 4, version 2 with the linear layers' products on a 7-bit grid (int8 x int8
-sums, exact in int32: `torch._int_mm`, ~1.7x faster coding for 0.05% larger files).
+sums, exact in int32: `torch._int_mm`, ~1.7x faster coding for 0.05% larger files); 5, an ensemble of K
+members, each computing version 4's frequencies, coded with their mixture (tenx/compress/mixture.py).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ VERSION = 4
 int8 products in the linear layers."""
 ADAPTIVE_VERSION = 3
 """What `tenx compress --adapt` writes: version 2's rules and an output layer that learns as it codes."""
-VERSIONS = (1, 2, 3, 4)
-LINEAR_BITS = {2: 15, 3: 15, 4: 7}
+ENSEMBLE_VERSION = 5
+"""What `tenx compress` writes for an ensemble: version 4's frequencies of each member, mixed."""
+VERSIONS = (1, 2, 3, 4, 5)
+LINEAR_BITS = {2: 15, 3: 15, 4: 7, 5: 7}
 """The grid of the linear layers' products in each fixed-point version (tenx/compress/fixed.py)."""
 HEADER = struct.Struct("<4sBBBBIIQQQQ8s8s8s8s")
 """magic, version, then the fields of Header in order (digests as 8 bytes each)."""
@@ -45,6 +50,10 @@ MAX_EVERY = 4096
 """The most positions between two updates of an adaptive file."""
 SETTINGS = struct.Struct("<dI")
 """The learning rate and `every`, as the header of an adaptive `.tenx` file stores them."""
+COUNT = struct.Struct("<H")
+"""An ensemble file's member count."""
+MEMBER = struct.Struct("<8sQ")
+"""An ensemble file's member: the xxh3-64 of its checkpoint's manifest file and its step."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +89,16 @@ def _digest(data: bytes) -> bytes:
     return xxhash.xxh3_64_digest(data)
 
 
-def header_bytes(version: int) -> int:
-    """The bytes of a header of format `version`, its checksum included."""
+def header_bytes(version: int, members: int = 0) -> int:
+    """The bytes of a header of format `version` (5: of an ensemble of `members`), its checksum included."""
+    if version == ENSEMBLE_VERSION:
+        return HEADER_BYTES + COUNT.size + members * MEMBER.size
     return HEADER_BYTES + (SETTINGS.size if version == ADAPTIVE_VERSION else 0)
+
+
+def members_digest(members: list[tuple[bytes, int]]) -> bytes:
+    """An ensemble's identity in the fixed header: the xxh3-64 of its members' manifest digests in order."""
+    return _digest(b"".join(digest for digest, _ in members))
 
 
 @dataclass
@@ -107,22 +123,29 @@ class Header:
     """Not a packed field: the byte after the magic."""
     adapt: CodecAdaptation | None = None
     """Version 3: how the output layer learned while coding."""
+    members: list[tuple[bytes, int]] | None = None
+    """Version 5: each member's xxh3-64 of its checkpoint's manifest file and its step, in order."""
 
     def pack(self) -> bytes:
         """The header's bytes (`header_bytes(version)`), its checksum included."""
-        fields = [*vars(self).values()][:-2]
+        fields = [*vars(self).values()][:-3]
         fields[1] = DEVICES.index(self.device)
         packed = HEADER.pack(MAGIC, self.version, *fields)
         if (self.version == ADAPTIVE_VERSION) != (self.adapt is not None):
             raise ValueError(f"format version {self.version} with adaptation settings {self.adapt}")
+        if (self.version == ENSEMBLE_VERSION) != (self.members is not None):
+            raise ValueError(f"format version {self.version} with members {self.members}")
         if self.adapt is not None:
             packed += self.adapt.pack()
+        if self.members is not None:
+            packed += COUNT.pack(len(self.members))
+            packed += b"".join(MEMBER.pack(digest, step) for digest, step in self.members)
         return packed + _digest(packed)
 
     @property
     def size(self) -> int:
         """The header's bytes."""
-        return header_bytes(self.version)
+        return header_bytes(self.version, len(self.members or ()))
 
     @property
     def body_bytes(self) -> int:
@@ -144,17 +167,23 @@ def read_header(blob: bytes, name: str = "input") -> Header:
         raise TenxError(
             f"{name} has format version {version}; this tenx reads versions {', '.join(map(str, VERSIONS))}"
         )
-    size = header_bytes(version)
+    count = _member_count(blob, name) if version == ENSEMBLE_VERSION else 0
+    size = header_bytes(version, count)
     if len(blob) < size:
         raise TenxError(f"{name} is truncated: {len(blob)} bytes, shorter than its header ({size})")
     if _digest(blob[: size - 8]) != blob[size - 8 : size]:
         raise TenxError(f"{name} is corrupt: its header does not match its checksum")
     if device >= len(DEVICES) or stored > 1 or 0 in (threads, rest[0], rest[1]):
         raise TenxError(f"{name} is corrupt: its header holds impossible values")
-    adapt = None
+    adapt = members = None
     if version == ADAPTIVE_VERSION:
         adapt = CodecAdaptation.unpack(blob[HEADER.size : size - 8], name)
-    header = Header(threads, DEVICES[device], bool(stored), *rest, version=version, adapt=adapt)
+    if version == ENSEMBLE_VERSION:
+        table = blob[HEADER.size + COUNT.size : size - 8]
+        members = [MEMBER.unpack_from(table, i * MEMBER.size) for i in range(count)]
+    header = Header(
+        threads, DEVICES[device], bool(stored), *rest, version=version, adapt=adapt, members=members
+    )
     if not header.stored and (header.tokens > header.length or bool(header.length) != bool(header.tokens)):
         raise TenxError(f"{name} is corrupt: {header.tokens} tokens cannot spell {header.length} bytes")
     body = len(blob) - size
@@ -164,3 +193,17 @@ def read_header(blob: bytes, name: str = "input") -> Header:
     if _digest(blob[size:]) != header.code_hash:
         raise TenxError(f"{name} is corrupt: the bytes after its header do not match their checksum")
     return header
+
+
+def _member_count(blob: bytes, name: str) -> int:
+    """The member count of an ensemble file's header, checked against what an ensemble may have."""
+    from tenx.checkpoint.models import MAX_MEMBERS  # imports torch: not when the CLI starts
+
+    if len(blob) < HEADER.size + COUNT.size:
+        raise TenxError(f"{name} is truncated: {len(blob)} bytes, shorter than an ensemble's header")
+    (count,) = COUNT.unpack_from(blob, HEADER.size)
+    if not 1 <= count <= MAX_MEMBERS:
+        raise TenxError(
+            f"{name} is corrupt: its header's member count is {count}; an ensemble has 1 to {MAX_MEMBERS}"
+        )
+    return count

@@ -2,7 +2,8 @@
 
 `to_ids` turns any bytes into coding ids whose byte strings concatenate to exactly the input (the codec's
 module docstring says how); `spell` joins them back. `load_codec` checks the tokenizer is the one the
-checkpoint was trained with and can spell every byte.
+checkpoint was trained with and can spell every byte. An ensemble's directory loads as one `CodecModel` whose
+model is the `Ensemble`, with each member's identity (`Member`) for the header of format version 5.
 """
 
 from __future__ import annotations
@@ -18,26 +19,37 @@ import torch
 
 from tenx import checkpoint as ckpt
 from tenx.checkpoint.models import LoadedModel, load_model
+from tenx.compress.container import members_digest
 from tenx.compress.fixed import GRID_BITS, FixedWeights
 from tenx.data.manifest import read_manifest
 from tenx.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from tenx.errors import DataError, TenxError
 from tenx.model.ensemble import Ensemble
 from tenx.model.transformer import Transformer
-from tenx.rundir import RunDir
 from tenx.utils.io import file_xxhash
 
 _ESCAPED = re.compile("([\udc80-\udcff]+)")
 """Runs of bytes that are not UTF-8, as decode(errors="surrogateescape") spells them."""
 
 
+@dataclass(frozen=True)
+class Member:
+    """One member of an ensemble, as a `.tenx` header names it."""
+
+    checkpoint: Path
+    step: int
+    model_hash: str
+    """xxh3-64 of the member checkpoint's manifest file."""
+
+
 @dataclass
 class CodecModel:
-    """A model and its tokenizer ready to code: the token-to-bytes table and both identities."""
+    """A model (or an ensemble) and its tokenizer ready to code: the token-to-bytes table and the identities."""
 
-    model: Transformer
+    model: Transformer | Ensemble
     tokenizer: Tokenizer
     checkpoint: Path
+    """The checkpoint directory (an ensemble: its directory)."""
     data_dir: Path
     """The prepared data directory the model was trained on (its tokenizer's)."""
     step: int
@@ -46,20 +58,35 @@ class CodecModel:
     byte_ids: np.ndarray
     """The id of each single byte 0..255."""
     model_hash: str
-    """xxh3-64 of the checkpoint's manifest file: its identity."""
+    """xxh3-64 of the checkpoint's manifest file: its identity (an ensemble: of its members' digests)."""
     tokenizer_hash: str
-    _fixed: dict[int, FixedWeights] = field(default_factory=dict)
+    members: list[Member] = field(default_factory=list)
+    """An ensemble's members in order; empty for one model."""
+    _fixed: dict[int, list[FixedWeights]] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
         """Where the model runs."""
         return next(self.model.parameters()).device
 
+    @property
+    def transformers(self) -> list[Transformer]:
+        """The model, or an ensemble's members."""
+        if isinstance(self.model, Ensemble):
+            return [cast(Transformer, m) for m in self.model.members]
+        return [self.model]
+
     def fixed_weights(self, linear_bits: int = GRID_BITS) -> FixedWeights:
         """The model's weights on the fixed-point grid, its linear layers' on `linear_bits` (built on first
-        use)."""
+        use); one model only (an ensemble: `member_weights`)."""
+        if isinstance(self.model, Ensemble):
+            raise TenxError(f"{self.checkpoint} is an ensemble: one model's weights are asked for")
+        return self.member_weights(linear_bits)[0]
+
+    def member_weights(self, linear_bits: int = GRID_BITS) -> list[FixedWeights]:
+        """Each member's weights on the fixed-point grid (one model: its own), as `fixed_weights`."""
         if linear_bits not in self._fixed:
-            self._fixed[linear_bits] = FixedWeights(self.model, self.device, linear_bits)
+            self._fixed[linear_bits] = [FixedWeights(m, self.device, linear_bits) for m in self.transformers]
         return self._fixed[linear_bits]
 
 
@@ -67,13 +94,6 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
     """The model of a run or checkpoint directory (or one loaded already) with what coding needs."""
     if isinstance(target, CodecModel):
         return target
-    if _is_ensemble(target):
-        raise TenxError(
-            f"{getattr(target, 'run_dir', None) or target} is an ensemble: the .tenx formats (1 to 4) code "
-            "with one model's probabilities and name one checkpoint in their header, so they cannot code an "
-            "ensemble's mixture; compress with one member (give its run directory, RUN/members/K), or "
-            "measure the mixture's code length with `tenx eval` (its bits per byte)"
-        )
     loaded = target if isinstance(target, LoadedModel) else load_model(target, device)
     if loaded.model.cfg.vocab_size is None:
         raise TenxError(f"checkpoint {loaded.checkpoint}: its model has no vocabulary size")
@@ -90,6 +110,7 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
             f"{loaded.data_dir}: its tokenizer has {tokenizer.vocab_size} tokens but the model of "
             f"{loaded.checkpoint} has {loaded.model.cfg.vocab_size}: not the data the run was trained on"
         )
+    members = _members(loaded, entry["xxhash"]) if isinstance(loaded.model, Ensemble) else []
     table = _token_bytes(tokenizer)
     byte_ids = np.full(256, -1, dtype=np.int64)
     for i, spelled in enumerate(table):
@@ -100,24 +121,38 @@ def load_codec(target: CodecModel | LoadedModel | str | Path, device: str = "cpu
         raise TenxError(
             f"tokenizer of {loaded.data_dir} has no token for byte(s) {missing}: it cannot code any bytes"
         )
+    digests = [(bytes.fromhex(m.model_hash), m.step) for m in members]
     return CodecModel(
-        model=cast(Transformer, loaded.model),  # not an ensemble (refused above)
+        model=loaded.model,
         tokenizer=tokenizer,
-        checkpoint=loaded.checkpoint,
+        checkpoint=cast(Path, loaded.run_dir) if members else loaded.checkpoint,
         data_dir=loaded.data_dir,
         step=int(loaded.meta["step"]),
         table=table,
         byte_ids=byte_ids,
-        model_hash=file_xxhash(loaded.checkpoint / ckpt.MANIFEST),
+        model_hash=members_digest(digests).hex()
+        if members
+        else file_xxhash(loaded.checkpoint / ckpt.MANIFEST),
         tokenizer_hash=str(entry["xxhash"]),
+        members=members,
     )
 
 
-def _is_ensemble(target: LoadedModel | str | Path) -> bool:
-    """Whether `target` is an ensemble (loaded, or a directory with an ensemble manifest)."""
-    if isinstance(target, LoadedModel):
-        return isinstance(target.model, Ensemble)
-    return Path(target).is_dir() and RunDir(target).ensemble.exists()
+def _members(loaded: LoadedModel, tokenizer_hash: str) -> list[Member]:
+    """Each member of a loaded ensemble with its identity; a DataError for one trained with another
+    tokenizer than the ensemble's data directory holds (its manifest named)."""
+    members = []
+    for recorded in loaded.meta["members"]:
+        path = Path(recorded)
+        meta = ckpt.read_checkpoint_meta(path, require=("step",))  # verified when it was loaded
+        trained = meta.get("data_tokenizer")
+        if isinstance(trained, dict) and trained.get("xxhash") not in (None, tokenizer_hash):
+            raise DataError(
+                f"ensemble {loaded.run_dir}: member checkpoint {path} was trained with tokenizer xxhash "
+                f"{trained['xxhash']}, not the one of {loaded.data_dir} ({tokenizer_hash})"
+            )
+        members.append(Member(path, int(meta["step"]), file_xxhash(path / ckpt.MANIFEST)))
+    return members
 
 
 def _byte_level_chars() -> list[str]:
