@@ -93,7 +93,10 @@ def _print(report: dict[str, Any], verb: str, as_json: bool) -> None:
 
 def _common(p: argparse.ArgumentParser, file_help: str) -> None:
     p.add_argument(
-        "run_dir", metavar="RUN_DIR", help="run directory (newest verified checkpoint) or checkpoint"
+        "run_dir",
+        metavar="RUN_DIR",
+        help="run directory (newest verified checkpoint), checkpoint, or an ensemble's directory (its members' "
+        "mixture: format version 5)",
     )
     p.add_argument("files", metavar="FILE", nargs="+", help=file_help)
     p.add_argument(
