@@ -129,15 +129,11 @@ def main() -> None:
             f"  leave one out: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
             f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
         )
-    for label, key in (
-        ("largest size, repeated", "largest_size_repeated"),
-        ("size extrapolation", "size_extrapolation"),
-    ):
-        for p in held[key]:
-            print(
-                f"  {label}: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, {p['epochs']:5.2f} epochs: "
-                f"{100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
-            )
+    for p in held["largest_size_repeated"]:
+        print(
+            f"  largest size, repeated: N {p['params']:9,.0f}, U {p['unique_tokens']:9,.0f}, "
+            f"{p['epochs']:5.2f} epochs: {100 * p['rel_error']:+.2f}% (seed noise {100 * p['noise']:.1f}%)"
+        )
     print(
         f"max |error|: leave one out {100 * held['leave_one_out_max_abs']:.2f}%, the largest size's repeated "
         f"points (its fresh ones fitted) {100 * held['largest_size_repeated_max_abs']:.2f}% (on its own fitted "

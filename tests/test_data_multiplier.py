@@ -574,6 +574,11 @@ def test_a_study_of_each_kind_of_change_trains_assembles_and_prices_them(tiny_da
     assert by["student"]["compute_multiple"] == pytest.approx(1 + 1 + 3)
     assert len(by["tuned"]["notes"]) == 2 and "baseline: optim.lr=" in by["tuned"]["notes"][0]
     assert all(len(c["multipliers"]) == 2 for c in by.values())
+    # the ensemble's members are seeds of the baseline: at the larger scale its compared point (and so every
+    # change's anchor there) is the median of all three, not of seed 0 alone
+    compared = [r for r in result["baseline"] if r["budget"] == 1e11 and r["unique_tokens"] == 10_000]
+    longest = max(r["tokens"] for r in compared)
+    assert len([r for r in compared if r["tokens"] == longest]) == 3
     assert (tmp_path / "ensembles" / "scores.json").exists()
     assert sorted(p.name for p in (tmp_path / "ensembles").iterdir() if p.is_dir()) == sorted(
         f"ens-C{s:.2e}-e{j}".replace("+", "") for s, n in ((2e10, 2), (1e11, 1)) for j in range(n)

@@ -423,6 +423,15 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
         got = found(rows)
         baseline = [got[i] for i, p in enumerate(planned) if p.stage == "baseline" and i in got]
+        # an ensemble of the baseline's config trains more of the baseline's seeds at the compared point:
+        # every one is a run of the baseline, so its point (the law's, and each change's anchor) is the
+        # median of all of them
+        keys = {r["key"] for r in baseline}
+        for c in ensembles:
+            for i, p in enumerate(planned):
+                if not c.set and p.stage == f"{c.name}/member" and i in got and got[i]["key"] not in keys:
+                    keys.add(got[i]["key"])
+                    baseline.append(got[i])
         plain = {
             c.name: [got[i] for i, p in enumerate(planned) if p.stage == c.name and i in got]
             for c in dc.change
