@@ -151,5 +151,6 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     ax2.set_ylabel("effective data multiplier")
     ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")
     ax2.grid(alpha=0.3, which="both")
-    ax2.legend(fontsize=8)
+    # below the panel, as the left one's: inside it, the legend covered the smallest scale's bars
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3)
     return save_png(fig, out_png)
