@@ -148,6 +148,7 @@ def _base(command: str, w: dict, n: int) -> list[str]:
         "curves convert": ["curves", "convert", "--from-run", run, "--out", f"{out}.jsonl"],
         "eval": ["eval", run, "--split", "val", "--out", f"{out}.json"],
         "sample": ["sample", run, "--max-new-tokens", "4"],
+        "export": ["export", run, "-o", out],
         "compress": ["compress", run, str(root / "doc.py"), "-o", f"{out}.tenx"],
         "decompress": ["decompress", run, str(root / "doc.py.tenx"), "-o", f"{out}.py"],
         "plan": ["plan", "--config", "tiny", "--cluster", "cpu", "--vocab", "257"],

@@ -138,7 +138,7 @@ def config_key(cfg: RunConfig) -> str:
     Only the fields that differ from their defaults are hashed, so a field added to tenx later, whose
     default keeps the old behaviour, leaves every earlier run's identity (and a ladder's reuse of it) as
     it was."""
-    tree, default = cfglib.to_dict(cfg), cfglib.to_dict(type(cfg)())
+    tree, default = cfglib.to_dict(cfg), cfglib.to_dict(RunConfig())
     core = {
         k: {f: v for f, v in tree[k].items() if v != default[k].get(f, _ABSENT)}
         for k in ("model", "data", "optim", "train")
