@@ -99,7 +99,7 @@ def plan_change(
         return runs(f"{change.name}/member", [], members, compare_u)
     if change.distill_from:
         teacher = changes.get(change.distill_from)
-        if teacher is None or teacher.ensemble < 2 and not teacher.set:
+        if teacher is None or teacher.ensemble < 2:
             raise DataError(
                 f"change {change.name!r}: distill_from = {change.distill_from!r} is not an ensemble change of "
                 "this study"
@@ -242,12 +242,3 @@ def distill_compute_multiple(teacher: ChangeConfig) -> float:
     training (K runs)."""
     k = teacher.ensemble
     return 1.0 + k / 3.0 + k
-
-
-def teacher_ready(change: ChangeConfig, scales: list[float], out: str | Path) -> list[Path]:
-    """The teachers `change` needs that are not assembled yet (empty when its students may train)."""
-    return [
-        ensemble_dir(out, change.distill_from, s, 0)
-        for s in scales
-        if not rundir.RunDir(ensemble_dir(out, change.distill_from, s, 0)).ensemble.exists()
-    ]
