@@ -84,19 +84,20 @@ def plan_change(
     a point trains there)."""
     capped = dataclasses.replace(one, unique_tokens=compare_u, seeds=seeds)
 
-    def runs(stage: str, extra: list[str], lc: LadderConfig, unique: int, phase: int = 0) -> list[DataRun]:
-        cfg = load_base(base, overrides + list(change.set) + extra)
+    def runs(stage: str, settings: list[str], lc: LadderConfig, unique: int, phase: int = 0) -> list[DataRun]:
+        cfg = load_base(base, overrides + settings)
         return [
             DataRun(stage, scale, unique, r, 1.0, phase) for r in plan_ladder(cfg, lc, tag(stage, unique))
         ]
 
+    own = list(change.set)
     if change.planted:
         f = change.planted
         more = dataclasses.replace(capped, budgets=[scale * f], unique_tokens=round(compare_u * f))
-        return runs(change.name, [], more, round(compare_u * f))
+        return runs(change.name, own, more, round(compare_u * f))
     if change.ensemble > 1:
         members = dataclasses.replace(capped, seeds=max(seeds, change.ensemble))
-        return runs(f"{change.name}/member", [], members, compare_u)
+        return runs(f"{change.name}/member", own, members, compare_u)
     if change.distill_from:
         teacher = changes.get(change.distill_from)
         if teacher is None or teacher.ensemble < 2:
@@ -105,19 +106,16 @@ def plan_change(
                 "this study"
             )
         path = ensemble_dir(out, teacher.name, scale, 0).resolve()
-        return runs(change.name, [f'train.distill_from="{path}"'], capped, compare_u, phase=1)
-    planned = []
-    if change.sweep:
-        for i, cand in enumerate(sweep_candidates(change.sweep)):
-            planned += runs(f"{change.name}/candidate{i}", cand, capped, compare_u)
+        return runs(change.name, [*own, f'train.distill_from="{path}"'], capped, compare_u, phase=1)
+    if not change.sweep:
+        planned = runs(change.name, own, capped, compare_u)
     else:
-        planned += runs(change.name, [], capped, compare_u)
-    for i, cand in enumerate(sweep_candidates(change.baseline_sweep)) if change.baseline_sweep else ():
-        cfg = load_base(base, overrides + cand)  # the baseline, not the change, over its own grid
-        stage = f"{change.name}/anchor{i}"
-        planned += [
-            DataRun(stage, scale, compare_u, r) for r in plan_ladder(cfg, capped, tag(stage, compare_u))
-        ]
+        planned = []
+        for i, cand in enumerate(sweep_candidates(change.sweep)):
+            planned += runs(f"{change.name}/candidate{i}", own + cand, capped, compare_u)
+    if change.baseline_sweep:  # the baseline, not the change, over its own grid
+        for i, cand in enumerate(sweep_candidates(change.baseline_sweep)):
+            planned += runs(f"{change.name}/anchor{i}", cand, capped, compare_u)
     return planned
 
 
