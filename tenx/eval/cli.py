@@ -183,6 +183,11 @@ _fraction.__name__ = "a fraction in [0, 1]"
 _dataset.__name__ = "a split name or path"
 
 
+def _add_device(p: argparse.ArgumentParser) -> None:
+    """`--device`, the device eval and sample load the model on (load_model resolves it)."""
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+
+
 def _eval_arguments(ep: argparse.ArgumentParser) -> None:
     ep.add_argument(
         "targets", nargs="+", metavar="TARGET", help="run or checkpoint directories (several: a comparison)"
@@ -199,9 +204,7 @@ def _eval_arguments(ep: argparse.ArgumentParser) -> None:
     )
     ep.add_argument("--force", action="store_true", help="let --out replace an existing file")
     ep.add_argument("--batch-size", type=at_least(int, 1), default=8, help="sequences per forward pass")
-    ep.add_argument(
-        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
-    )
+    _add_device(ep)
     ep.add_argument(
         "--stride",
         type=at_least(int, 1),
@@ -330,9 +333,7 @@ def _sample_arguments(sp: argparse.ArgumentParser) -> None:
         default=0,
         help="sampling seed, >= 0 (the same seed gives the same text)",
     )
-    sp.add_argument(
-        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N"
-    )
+    _add_device(sp)
     add_threads_argument(sp)
 
 

@@ -25,12 +25,17 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {path} ({counted(len(args.run_dirs), 'run')}, {size:.1f} MB; opens offline in any browser)")
 
 
-def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
-    from tenx.monitor.dashboard.server import DEFAULT_BIND
-
+def _add_run_dirs(p: argparse.ArgumentParser) -> None:
+    """The runs the dashboard and the report draw."""
     p.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid on the same charts"
     )
+
+
+def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
+    from tenx.monitor.dashboard.server import DEFAULT_BIND
+
+    _add_run_dirs(p)
     p.add_argument(
         "--bind",
         default=DEFAULT_BIND,
@@ -48,9 +53,7 @@ def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid on the same charts"
-    )
+    _add_run_dirs(p)
     p.add_argument(
         "-o", "--output", required=True, metavar="FILE", help="the HTML file to write, e.g. report.html"
     )
