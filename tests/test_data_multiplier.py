@@ -423,7 +423,7 @@ def test_kinds_of_change_planted_ensemble_and_tuned_are_read_as_they_should_be()
       baseline's run at U_c, not at a run of its own U (the baseline has none), and reads 1.3;
     - S ensembles drawn cyclically from shared members are not S independent repeats: with `independent`
       = 1 the seed noise is that of one, and the interval is wider than S repeats would give; an
-      ensemble's rows stay out of the pooled seed noise;
+      ensemble's rows stay out of the seed noise (a single-run kind's seeds count in it);
     - tuned against tuned: with `anchors` (the baseline's best candidate per scale), a change exactly as
       good as the tuned baseline is worth 1.0 however far both are below the untuned baseline."""
     from tenx.scaling.derisk.data_changes import ChangeRows
@@ -437,8 +437,8 @@ def test_kinds_of_change_planted_ensemble_and_tuned_are_read_as_they_should_be()
     better = _rows_at(dc, baseline, 1.0, loss_shift=-0.05)
     kinds = {
         "planted": planted,
-        "repeats": ChangeRows(ensemble),
-        "shared": ChangeRows(ensemble, independent=[1, 1, 1], compute_multiple=4.0),
+        "repeats": ChangeRows(ensemble, single_runs=False),
+        "shared": ChangeRows(ensemble, independent=[1, 1, 1], compute_multiple=4.0, single_runs=False),
         "untuned": ChangeRows(better),
         "tuned": ChangeRows(better, anchors=_rows_at(dc, baseline, 1.0, loss_shift=-0.05)),
     }
@@ -453,8 +453,12 @@ def test_kinds_of_change_planted_ensemble_and_tuned_are_read_as_they_should_be()
     assert a["multipliers"] == pytest.approx(b["multipliers"]) and b["compute_multiple"] == 4.0
     width = [math.log(c["high"][0] / c["low"][0]) for c in (a, b)]
     assert width[1] > 1.4 * width[0]  # sigma / sqrt(1) against sigma / sqrt(4), on top of the law's spread
-    without = analyse_data(baseline, changes, dataclasses.replace(dc, bootstrap=0))
+    singles = {k: v for k, v in kinds.items() if v.single_runs}
+    without = analyse_data(baseline, changes, dataclasses.replace(dc, bootstrap=0), singles)
     assert result["seed_sigma"] == pytest.approx(without["seed_sigma"])
+    # a planted win's own seeds are repeats of one run: they count (here four identical losses a scale)
+    alone = analyse_data(baseline, changes, dataclasses.replace(dc, bootstrap=0))
+    assert without["seed_sigma"] < alone["seed_sigma"]
     assert min(got["untuned"]["multipliers"]) > 1.1  # against the untuned baseline it looks like a gain
     assert got["tuned"]["multipliers"] == pytest.approx([1.0] * 3, abs=1e-9)
     # the case the planted anchor rule could wrongly excuse: anchored at its own U, there is no such run

@@ -43,6 +43,11 @@ class ChangeConfig:
         help="mode 'data': the grid the baseline is tuned over, the same way, for this change's anchor "
         "(tuned against tuned); default: the untuned baseline",
     )
+    seeds: list[int] = field(
+        default_factory=list,
+        help="mode 'data': the seeds this change trains at each budget, smallest first (default: the "
+        "study's `seeds` at the smallest budget, 1 at the others); an ensemble scores this many ensembles",
+    )
     planted: float = field(
         0.0,
         ge=0,
@@ -79,7 +84,7 @@ class ChangeConfig:
         """The data-mode fields this change sets (a compute-mode study refuses them)."""
         return [k for k, on in (("ensemble", self.ensemble > 1), ("distill_from", bool(self.distill_from)),
                                 ("sweep", bool(self.sweep)), ("baseline_sweep", bool(self.baseline_sweep)),
-                                ("planted", bool(self.planted))) if on]  # fmt: skip
+                                ("planted", bool(self.planted)), ("seeds", bool(self.seeds))) if on]  # fmt: skip
 
 
 def sweep_candidates(grid: list[str], where: str = "sweep") -> list[list[str]]:

@@ -158,17 +158,19 @@ class DeriskConfig:
             )
         if self.ladder.unique_tokens is not None:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
-        if self.law_seeds and (
-            len(self.law_seeds) != len(self.budgets)
-            or any(
-                isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SEEDS
-                for n in self.law_seeds
-            )
-        ):
-            raise ConfigError(
-                f"law_seeds: give one whole number >= 1 per budget ({len(self.budgets)}), at most {MAX_SEEDS} "
-                f"each (--law-seeds), smallest budget first, got {self.law_seeds}"
-            )
+        for where, seeds in [("law_seeds", self.law_seeds)] + [
+            (f"change {c.name!r}: seeds", c.seeds) for c in self.change
+        ]:
+            if seeds and (
+                len(seeds) != len(self.budgets)
+                or any(
+                    isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SEEDS for n in seeds
+                )
+            ):
+                raise ConfigError(
+                    f"{where}: give one whole number >= 1 per budget ({len(self.budgets)}), at most {MAX_SEEDS} "
+                    f"each, smallest budget first, got {seeds}"
+                )
 
     @property
     def compare_u(self) -> int:

@@ -133,6 +133,8 @@ class ChangeRows:
     notes: list[str] = dataclasses.field(default_factory=list)
     planted: bool = False
     """A planted win: anchored at the baseline's run at the compared U, not at its own (larger) U."""
+    single_runs: bool = True
+    """Each row is one run (one seed), so repeats of it measure seed noise; an ensemble's are not."""
 
 
 def stage_rows(
@@ -154,6 +156,32 @@ def ensembles(
     return [[members[(j + i) % len(members)] for i in range(change.ensemble)] for j in range(count)]
 
 
+def assemble_ensembles(
+    change: ChangeConfig,
+    planned: list[DataRun],
+    found: dict[int, dict[str, Any]],
+    scales: list[float],
+    seeds_at: dict[float, int],
+    out: str | Path,
+) -> list[list[tuple[Path, list[dict[str, Any]]]]]:
+    """Each ensemble of `change` per scale, assembled (OUT/ensembles/NAME-C<scale>-e<j>/ensemble.json, listing
+    its members' run directories) unless an earlier call wrote it: [scale][j] -> (its directory, its members'
+    rows)."""
+    from tenx.checkpoint.models import assemble_ensemble
+
+    made = []
+    for scale in scales:
+        at = []
+        for j, chosen in enumerate(ensembles(change, planned, found, scale, seeds_at[scale])):
+            target = ensemble_dir(out, change.name, scale, j)
+            if not rundir.RunDir(target).ensemble.exists():
+                target.mkdir(parents=True, exist_ok=True)
+                assemble_ensemble([Path(r["run_dir"]) for r in chosen], target)
+            at.append((target, chosen))
+        made.append(at)
+    return made
+
+
 def ensemble_rows(
     change: ChangeConfig,
     planned: list[DataRun],
@@ -163,21 +191,14 @@ def ensemble_rows(
     out: str | Path,
     eval_bytes: int,
 ) -> ChangeRows:
-    """Each ensemble of `change` assembled (OUT/ensembles/NAME-C<scale>-e<j>/ensemble.json, listing its
-    members' run directories, unless an earlier call wrote it) and scored on the held-out split (cached in
+    """Each ensemble of `change` assembled (assemble_ensembles) and scored on the held-out split (cached in
     OUT/ensembles/scores.json, by its members' keys)."""
-    from tenx.checkpoint.models import assemble_ensemble
-
     cache_path = Path(out) / ENSEMBLES / SCORES
     cache: dict[str, Any] = read_json_object(cache_path) if cache_path.exists() else {}
     rows, independent = [], []
-    for scale in scales:
+    for scale, made in zip(scales, assemble_ensembles(change, planned, found, scales, seeds_at, out)):
         at = []
-        for j, chosen in enumerate(ensembles(change, planned, found, scale, seeds_at[scale])):
-            target = ensemble_dir(out, change.name, scale, j)
-            if not rundir.RunDir(target).ensemble.exists():
-                target.mkdir(parents=True, exist_ok=True)
-                assemble_ensemble([Path(r["run_dir"]) for r in chosen], target)
+        for j, (target, chosen) in enumerate(made):
             key = "+".join(r["key"] for r in chosen)
             if key not in cache:
                 ev = evaluate_run(target, eval_bytes, ("heldout",))
@@ -187,7 +208,9 @@ def ensemble_rows(
         rows.append(at)
         members = len(stage_rows(found, planned, f"{change.name}/member", scale))
         independent.append(max(1, min(len(at), members // change.ensemble)))
-    return ChangeRows(rows, independent=independent, compute_multiple=float(change.ensemble))
+    return ChangeRows(
+        rows, independent=independent, compute_multiple=float(change.ensemble), single_runs=False
+    )
 
 
 def tuned_rows(

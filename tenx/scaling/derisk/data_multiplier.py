@@ -28,9 +28,13 @@ D'(D, U_c)). At a fixed compute the baseline could not get there by more unique 
 each token once, so the multiplier keeps the epochs, not the compute, fixed. m > 1 is a gain; m is
 infinite when the change beats the law's floor for that model size (E + A/N^alpha).
 
-Intervals combine the bootstrap of the law with seed noise (every run of the smallest scale trains with
-`seeds` seeds), as the compute mode does; the trend across scales and the verdict (grows / persists / fades
-/ reverses / hurts / unresolved) are tenx.scaling.derisk.compute_multiplier's, per decade of training compute.
+Intervals combine the bootstrap of the law with seed noise. Each scale's noise is its own: the pooled
+standard deviation over its runs of several seeds (the baseline's at the smallest scale, an ensemble's members
+at the compared point, a change's own `seeds`), drawn from its posterior so that a figure from few repeats
+widens the interval as Student's t does; a point that is the median of n seeds carries the median of n
+draws, subtracted from the measured loss to give a draw of the true one. The trend across scales and the
+verdict (grows / persists / fades / reverses / hurts / unresolved) are tenx.scaling.derisk.compute_multiplier's,
+per decade of training compute.
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ from typing import Any
 import numpy as np
 
 from tenx.errors import ConfigError, DataError
+from tenx.scaling.derisk.change import ChangeConfig
 from tenx.scaling.derisk.compute_multiplier import DeriskConfig, prepare_stack, verdict
 from tenx.scaling.derisk.data_changes import (
     ChangeRows,
     DataRun,
+    assemble_ensembles,
     distill_compute_multiple,
     ensemble_rows,
     plan_change,
@@ -97,6 +103,14 @@ def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
     return dc.seeds if scale == min(dc.budgets) else 1
 
 
+def change_seeds(dc: DeriskConfig, change: ChangeConfig, scale: float) -> int:
+    """The seeds `change` trains at budget `scale`: its own `seeds`, else dc.seeds at the smallest budget
+    and 1 at the others."""
+    if change.seeds:
+        return change.seeds[sorted(dc.budgets).index(scale)]
+    return dc.seeds if scale == min(dc.budgets) else 1
+
+
 def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False, out: str | Path = ".") -> list[DataRun]:
     """The baseline's runs (on each fraction of each scale's tokens: fresh, and under each U below them)
     and each change's at U_c on the whole of each scale's tokens (tenx.scaling.derisk.data_changes plans
@@ -107,11 +121,9 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False, out: str | Path
         raise ConfigError(f"mode: {dc.mode!r}; plan_data_derisk plans mode 'data' studies")
     lc, overrides, depths = prepare_stack(dc, dry_run=dry_run)
     base = load_base(dc.base, overrides)
-    smallest = min(dc.budgets)
     planned: list[DataRun] = []
     for scale in sorted(dc.budgets):
         one = dataclasses.replace(lc, budgets=[scale], min_depth=depths[scale], max_depth=depths[scale])
-        seeds = dc.seeds if scale == smallest else 1  # the smallest scale's runs are the noisiest
         for fraction in sorted({*dc.token_fractions, 1.0}):
             part = dataclasses.replace(one, budgets=[scale * fraction], seeds=baseline_seeds(dc, scale))
             try:
@@ -139,6 +151,7 @@ def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False, out: str | Path
                 ]
         by_name = {c.name: c for c in dc.change}
         for change in dc.change:
+            seeds = change_seeds(dc, change, scale)
             planned += plan_change(change, by_name, dc.base, overrides, one, scale, seeds, dc.compare_u, out)
     seen: set[tuple[str, str]] = set()
     kept = []
@@ -215,8 +228,8 @@ def analyse_data(
     """The law fitted on the baseline's rows, and each change's multiplier per scale with its interval,
     trend and verdict. A row: budget (its scale), params, tokens, unique_tokens, heldout_loss. `kinds`: for
     a change beyond overrides (tenx.scaling.derisk.data_changes), its rows per scale, anchors, independent
-    repeats, price and notes, in place of `changes`' rows and the baseline's run at the same point; its
-    rows stay out of the pooled seed noise (an ensemble's are neither one run's nor independent)."""
+    repeats, price and notes, in place of `changes`' rows and the baseline's run at the same point; the
+    seeds of its rows count in the seed noise unless they are not single runs (an ensemble's)."""
     kinds = kinds or {}
     from tenx.scaling.fit import fit_data_constrained
 
@@ -232,19 +245,21 @@ def analyse_data(
     except DataError as e:
         raise DataError(f"{e} (baseline of the data-mode study: add budgets or unique_tokens)") from None
     scales = sorted(dc.budgets)
-    smallest = scales[0]
-    # seed noise: pooled standard deviation of the held-out loss over the seeds of each run at the smallest
-    # scale (a run: a config, its tokens and unique tokens)
-    runs: dict[tuple[str, float, float], list[float]] = {}
+    repeats: dict[tuple[str, float, float, float], list[float]] = {}
     for name, rows in {"baseline": baseline, **changes}.items():
-        for r in rows if name not in kinds else ():
-            if r["budget"] == smallest:
-                runs.setdefault((name, r["tokens"], r["unique_tokens"]), []).append(r["heldout_loss"])
-    groups = [g for g in runs.values() if len(g) > 1]
-    dof = sum(len(g) - 1 for g in groups)
-    sigma = (
-        math.sqrt(sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups) / dof) if dof else 0.0
-    )
+        for r in rows:
+            repeats.setdefault((name, r["budget"], r["tokens"], r["unique_tokens"]), []).append(
+                r["heldout_loss"]
+            )
+    for name, kind in kinds.items():
+        if kind.single_runs:  # an ensemble's rows are neither one run's nor independent
+            for part, rows_at in ((name, kind.rows), (f"{name}/anchor", kind.anchors or [])):
+                for s, at in zip(scales, rows_at):
+                    for r in at:
+                        key = (part, s, r["tokens"], r["unique_tokens"])
+                        repeats.setdefault(key, []).append(r["heldout_loss"])
+    noise = seed_noise(repeats, scales)
+    sigma, dof = noise["pooled"]
     point = np.array([[fit.params[k] for k in LAW_PARAMS]])
     ok = np.all(np.isfinite(fit.samples), axis=1) if len(fit.samples) else np.zeros(0, bool)
     samples = fit.samples[ok] if ok.any() else point
@@ -286,9 +301,12 @@ def analyse_data(
         n_b = np.array([len(a) for a in anchor])
         m_point = effective_data_multiplier(point, N_b, L, L_b)[0]
         shape = (len(samples), len(L))
-        noise = rng.normal(0.0, 1.0, shape) * (sigma / np.sqrt(n))[None, :]
-        noise_b = rng.normal(0.0, 1.0, shape) * (sigma / np.sqrt(n_b))[None, :]
-        m_samples = effective_data_multiplier(samples, N_b, L[None, :] + noise, L_b[None, :] + noise_b)
+        # the true losses: the measured ones less a draw of their seeds' noise (module doc); the change and
+        # its anchor share a scale's draw of sigma
+        sig = sigma_draws(rng, noise, scales, shape[0])
+        m_samples = effective_data_multiplier(
+            samples, N_b, L[None, :] - median_noise(rng, sig, n), L_b[None, :] - median_noise(rng, sig, n_b)
+        )
         log_m = np.log10(np.clip(np.nan_to_num(m_samples, nan=1.0), 1e-300, 1e300))
         slopes = np.polyfit(logc, log_m.T, 1)[0]
         fin = np.isfinite(m_point) & (m_point > 0)
@@ -326,7 +344,7 @@ def analyse_data(
         out_changes.append(entry)
     N_b, D_b, U_b, L_b = (_column(baseline, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
     rel = fit.predict(N=N_b, D=D_b, U=U_b) / L_b - 1
-    warnings = law_warnings(fit, points, sigma, dof)
+    warnings = law_warnings(fit, points, sigma, dof) + noise["warnings"]
     N_p, D_p, U_p, L_p = (_column(points, k) for k in ("params", "tokens", "unique_tokens", "heldout_loss"))
     rel_points = fit.predict(N=N_p, D=D_p, U=U_p) / L_p - 1  # what the law was fitted to
     return {
@@ -335,6 +353,9 @@ def analyse_data(
         "target": target,
         "compare_unique_tokens": dc.compare_u,
         "seed_sigma": sigma,
+        "seed_sigma_by_scale": [
+            {"budget": s, "sigma": noise[s][0], "dof": noise[s][1], "own": noise[s][2]} for s in scales
+        ],
         "law": fit.to_dict(),
         "law_max_abs_rel_error": float(np.max(np.abs(rel_points))),
         "baseline": [
@@ -348,6 +369,60 @@ def analyse_data(
         "changes": out_changes,
         "warnings": warnings,
     }
+
+
+def seed_noise(repeats: dict[tuple[Any, ...], list[float]], scales: list[float]) -> dict[Any, Any]:
+    """Each scale's seed noise from the repeats of one run (key: name, scale, tokens, unique tokens; value:
+    its seeds' held-out losses): {scale: (sigma, dof, own)} with the pooled standard deviation over that
+    scale's runs of 2 or more seeds and its degrees of freedom; a scale with no repeat borrows the pooled
+    figure of every scale (own False, and a warning says so), since the noise differs between sizes (the
+    shipped study: 0.044 nats at depth 1, whose rare slow runs widen it, against 0.02-0.03 at depths 2 and
+    3); 'pooled': (sigma, dof) over all scales; 'warnings'."""
+    ss: dict[float, float] = {s: 0.0 for s in scales}
+    df: dict[float, int] = {s: 0 for s in scales}
+    for (_, scale, *_), losses in repeats.items():
+        if len(losses) > 1 and scale in ss:
+            x = np.asarray(losses, dtype=float)
+            ss[scale] += float(np.sum((x - x.mean()) ** 2))
+            df[scale] += len(x) - 1
+    total, dof = sum(ss.values()), sum(df.values())
+    pooled = (math.sqrt(total / dof) if dof else 0.0, dof)
+    out: dict[Any, Any] = {"pooled": pooled, "warnings": []}
+    for s in scales:
+        if df[s]:
+            out[s] = (math.sqrt(ss[s] / df[s]), df[s], True)
+        else:
+            out[s] = (*pooled, False)
+            if dof:
+                out["warnings"].append(
+                    f"budget {s:.3g}: no run trained more than one seed there; its intervals borrow the seed "
+                    f"noise of the other sizes ({pooled[0]:.4f} nats/token), which may not be its own (give a "
+                    "change `seeds` there, or law_seeds)"
+                )
+    return out
+
+
+def sigma_draws(
+    rng: np.random.Generator, noise: dict[Any, Any], scales: list[float], count: int
+) -> np.ndarray:
+    """(count, scales) draws of each scale's seed noise sigma given its estimate s on dof degrees of freedom:
+    s * sqrt(dof / chi2(dof)) (its posterior under a flat prior on log sigma), so that an estimate from few
+    repeats widens the intervals as Student's t does instead of being taken as exact; s where dof is 0."""
+    columns = []
+    for s in scales:
+        sigma, dof = noise[s][0], noise[s][1]
+        columns.append(sigma * np.sqrt(dof / rng.chisquare(dof, count)) if dof else np.full(count, sigma))
+    return np.stack(columns, axis=1)
+
+
+def median_noise(rng: np.random.Generator, sigma: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """The noise of a point that is the median of seeds[j] runs (point_medians; a point of 2 is their
+    mean), each run's held-out loss its true value plus a normal draw of sd sigma[:, j]: the median of that
+    many draws, for each of sigma's rows (S, M) -> (S, M)."""
+    out = np.empty_like(sigma)
+    for j, n in enumerate(np.asarray(seeds, dtype=int)):
+        out[:, j] = np.median(rng.normal(0.0, 1.0, (sigma.shape[0], max(int(n), 1))), axis=1) * sigma[:, j]
+    return out
 
 
 def law_warnings(fit: Any, points: list[dict[str, Any]], sigma: float, dof: int) -> list[str]:
@@ -384,10 +459,27 @@ def _bound(log_m: np.ndarray, q: float) -> list[float]:
 
 
 # ----- the whole study -------------------------------------------------------------------------------
+def train_phases(dc: DeriskConfig, planned: list[DataRun], of: list[int], count: int) -> list[int]:
+    """The phase each of `count` distinct runs trains in (planned[i] trains as run of[i]): with distilled
+    changes, the members of their teachers first (0), then every other run with the students (1), so that
+    the students wait only for their teachers and the workers stay busy (the runs of a phase start longest
+    first); without, one phase."""
+    teachers = {f"{c.distill_from}/member" for c in dc.change if c.distill_from}
+    if not teachers:
+        return [0] * count
+    phases = [1] * count
+    for i, p in enumerate(planned):
+        if p.stage in teachers:
+            phases[of[i]] = 0
+    if any(phases[of[i]] < p.phase for i, p in enumerate(planned)):  # a student its own teacher's member
+        raise DataError("a distilled change's run is also a member of the ensemble it learns from")
+    return phases
+
+
 def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False) -> dict[str, Any]:
     """Train the baseline's and the changes' runs (reusing runs already in OUT), fit, report. A run two
-    stages share trains once; distilled students train in a second phase, after the ensembles they learn
-    from are assembled (OUT/ensembles)."""
+    stages share trains once; the members of the ensembles distilled changes learn from train first, and
+    every other run, the students included, after those ensembles are assembled (OUT/ensembles)."""
     out = Path(out)
     planned = plan_data_derisk(dc, dry_run=dry_run, out=out)
     check_law_fits(planned)  # before anything trains, and in the dry run
@@ -410,15 +502,19 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
             print(f"WARNING: {warning}")
         return {}
     scales = sorted(dc.budgets)
-    seeds_at = {s: dc.seeds if s == scales[0] else 1 for s in scales}  # a change's seeds at each scale
     ensembles = [c for c in dc.change if c.ensemble > 1]
+
+    def seeds_at(c: ChangeConfig) -> dict[float, int]:
+        return {s: change_seeds(dc, c, s) for s in scales}
 
     def found(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         return {i: {**rows[of[i]], "budget": p.scale} for i, p in enumerate(planned) if of[i] in rows}
 
     def assemble(rows: dict[int, dict[str, Any]]) -> None:  # the teachers, before their students train
+        teachers = {c.distill_from for c in dc.change}
         for c in ensembles:
-            ensemble_rows(c, planned, found(rows), scales, seeds_at, out, dc.ladder.eval_bytes)
+            if c.name in teachers:  # scored with the others after the last phase (the workers wait now)
+                assemble_ensembles(c, planned, found(rows), scales, seeds_at(c), out)
 
     def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
         got = found(rows)
@@ -441,7 +537,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         kinds: dict[str, ChangeRows] = {}
         for c in dc.change:
             if c.ensemble > 1:
-                kinds[c.name] = ensemble_rows(c, planned, got, scales, seeds_at, out, dc.ladder.eval_bytes)
+                kinds[c.name] = ensemble_rows(c, planned, got, scales, seeds_at(c), out, dc.ladder.eval_bytes)
             elif c.sweep or c.baseline_sweep:
                 kinds[c.name] = tuned_rows(c, planned, got, scales, out / "ladder", dc.ladder.eval_bytes)
             elif c.planted or c.distill_from:
@@ -459,6 +555,6 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         report=format_data_derisk,
         plot=plot_data_report,
         splits=("heldout",),  # what the law reads
-        phases=[p.phase for p in unique],
+        phases=train_phases(dc, planned, of, len(unique)),
         between=assemble,
     )
