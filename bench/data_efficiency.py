@@ -191,6 +191,7 @@ def main() -> None:
         "law_heldout_max_abs_rel_error_by_size": held["leave_one_out_max_abs_by_size"],
         "law_largest_size_repeated_max_abs_rel_error": held["largest_size_repeated_max_abs"],
         "seed_sigma": result["seed_sigma"],
+        "seed_sigma_by_scale": result["seed_sigma_by_scale"],
         "study_wall_s": result["wall_s"],
         "wall_s": time.perf_counter() - started,
     }

@@ -502,6 +502,7 @@ def _kinds_study(tiny_data, **kw):
                 name="tuned", sweep=["optim.weight_decay=0.1,0.8"], baseline_sweep=["optim.lr=5e-3,1e-2"]
             ),
             ChangeConfig(name="planted", planted=1.5),
+            ChangeConfig(name="wd", set=["optim.weight_decay=0.8"], seeds=[1, 2]),
         ],
         seeds=2,
         mode="data",
@@ -575,6 +576,7 @@ def test_a_study_of_each_kind_of_change_trains_assembles_and_prices_them(tiny_da
     result = run_data_derisk(dc, tmp_path)
     by = {c["name"]: c for c in result["changes"]}
     assert by["ens"]["compute_multiple"] == 3.0 and by["planted"]["compute_multiple"] == 1.5
+    assert [s["seeds"] for s in by["wd"]["scales"]] == [1, 2]  # a plain change with its own seeds
     assert by["student"]["compute_multiple"] == pytest.approx(1 + 1 + 3)
     assert len(by["tuned"]["notes"]) == 2 and "baseline: optim.lr=" in by["tuned"]["notes"][0]
     assert all(len(c["multipliers"]) == 2 for c in by.values())
@@ -592,3 +594,91 @@ def test_a_study_of_each_kind_of_change_trains_assembles_and_prices_them(tiny_da
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
     assert lines and all(x.endswith("(reused)") for x in lines)
     assert [c["multipliers"] for c in again["changes"]] == [c["multipliers"] for c in result["changes"]]
+
+
+def test_each_size_has_its_own_seed_noise_and_few_repeats_widen_it():
+    """tenx.scaling.derisk.data_multiplier.seed_noise / sigma_draws / median_noise:
+    - each size's sigma is its own repeats' pooled standard deviation; a size with none borrows the figure
+      pooled over all sizes, and a warning names it;
+    - a sigma from few repeats is drawn as Student's t would widen it (its posterior), not taken as exact;
+    - a point that is the median of n seeds carries the median of n draws (a median of 3 has 0.449 of one
+      run's variance; of 2, their mean's 0.5)."""
+    from tenx.scaling.derisk.data_multiplier import median_noise, seed_noise, sigma_draws
+
+    rng = np.random.default_rng(0)
+    quiet, noisy = [1.0, 1.002, 0.998], [2.0, 2.06, 1.94]
+    noise = seed_noise(
+        {("b", 1.0, 5, 2): quiet, ("c", 1.0, 5, 2): quiet, ("b", 9.0, 5, 2): noisy}, [1.0, 3.0, 9.0]
+    )
+    assert noise[1.0] == (pytest.approx(0.002), 4, True)
+    assert noise[9.0] == (pytest.approx(0.06), 2, True)  # not the quiet size's figure
+    pooled = math.sqrt((4 * 0.002**2 + 2 * 0.06**2) / 6)
+    assert noise["pooled"] == (pytest.approx(pooled), 6) and noise[3.0] == (pytest.approx(pooled), 6, False)
+    assert (
+        len(noise["warnings"]) == 1 and "budget 3: no run trained more than one seed" in noise["warnings"][0]
+    )
+    few = sigma_draws(rng, {1.0: (1.0, 1, True)}, [1.0], 100_000)[:, 0]
+    many = sigma_draws(rng, {1.0: (1.0, 60, True)}, [1.0], 100_000)[:, 0]
+    assert np.percentile(many, 97.5) < 1.3 and np.percentile(few, 97.5) > 10  # 1 dof: sigma barely known
+    assert np.all(sigma_draws(rng, {1.0: (0.5, 0, True)}, [1.0], 10) == 0.5)
+    sd = np.ones((200_000, 3))
+    var = np.var(median_noise(rng, sd, np.array([1, 2, 3])), axis=0)
+    assert var == pytest.approx([1.0, 0.5, 0.449], rel=0.02)
+
+
+def test_a_noisy_largest_size_does_not_borrow_the_smallest_sizes_quiet_noise():
+    """The case per-size noise could wrongly excuse: the largest size's repeats spread 0.02 nats while the
+    smallest's spread 1e-4; its interval must be the wider for it (with one pooled figure, the smallest
+    size's many quiet repeats would have narrowed it), and the smallest size's must not widen."""
+    dc, baseline, changes = synthetic_study(noise=1e-4, seeds=4)
+    dc = dataclasses.replace(dc, bootstrap=100)
+    top = max(dc.budgets)
+
+    def with_repeats(spread):
+        rows = [dict(r) for r in baseline]
+        point = max(
+            (r for r in rows if r["budget"] == top and r["unique_tokens"] == dc.compare_u),
+            key=lambda r: r["tokens"],
+        )
+        rows += [
+            {**point, "heldout_loss": point["heldout_loss"] + d} for d in (-spread, spread, 0.5 * spread)
+        ]
+        return analyse_data(rows, {"same": changes["same"]}, dc)
+
+    tight, loose = with_repeats(1e-4), with_repeats(0.02)
+    (t,), (w,) = tight["changes"], loose["changes"]
+    widths = [[math.log(c["high"][j] / c["low"][j]) for j in range(3)] for c in (t, w)]
+    assert widths[1][2] > 3 * widths[0][2]
+    assert widths[1][0] == pytest.approx(widths[0][0], rel=0.25)
+    assert loose["seed_sigma_by_scale"][2]["sigma"] > 0.01 and loose["seed_sigma_by_scale"][2]["own"]
+    assert loose["seed_sigma_by_scale"][0]["sigma"] < 1e-3
+
+
+def test_a_change_trains_its_own_seeds_and_the_teachers_members_train_first(tiny_data, tmp_path):
+    """A change's `seeds` (one count a budget) set its runs per size; a wrong count is refused naming the
+    change; the teachers' members train in phase 0 and every other run (students, baseline) in phase 1, and a
+    study with no distilled change trains in one phase."""
+    from tenx.scaling.derisk.data_multiplier import train_phases
+
+    dc = _kinds_study(tiny_data)
+    dc.change[3].seeds = [1, 3]
+    dc.validate()
+    planned = plan_data_derisk(dc, out=tmp_path)
+    assert [
+        len([p for p in planned if p.stage == "planted" and p.scale == s]) for s in sorted(dc.budgets)
+    ] == [1, 3]
+    keys: dict[str, int] = {}
+    of = [keys.setdefault(config_key(p.run.config), len(keys)) for p in planned]
+    phases = train_phases(dc, planned, of, len(keys))
+    assert {phases[of[i]] for i, p in enumerate(planned) if p.stage == "ens/member"} == {0}
+    assert {phases[of[i]] for i, p in enumerate(planned) if p.stage != "ens/member"} == {1}
+    plain = _kinds_study(tiny_data)
+    plain.change = [c for c in plain.change if not c.distill_from]
+    assert set(train_phases(plain, planned, of, len(keys))) == {0}
+    dc.change[3].seeds = [1]
+    with pytest.raises(
+        ConfigError, match=r"change 'planted': seeds: give one whole number >= 1 per budget \(2\)"
+    ):
+        dc.validate()
+    with pytest.raises(ConfigError, match="change 's': seeds: only mode 'data' uses them"):
+        DeriskConfig(change=[ChangeConfig(name="s", set=["optim.eps=1e-7"], seeds=[1, 1, 1])]).validate()

@@ -80,6 +80,14 @@ class ChangeConfig:
                 raise ConfigError(f"change {self.name!r}: {which} has {n} candidates, more than {MAX_SWEEP}")
 
     @property
+    def beyond_overrides(self) -> bool:
+        """A kind of change other than overrides (an ensemble, a student, a sweep, a planted win), which the
+        data mode plans and reads its own way (tenx.scaling.derisk.data_changes); `seeds` alone is not."""
+        return bool(
+            self.ensemble > 1 or self.distill_from or self.sweep or self.baseline_sweep or self.planted
+        )
+
+    @property
     def data_only(self) -> list[str]:
         """The data-mode fields this change sets (a compute-mode study refuses them)."""
         return [k for k, on in (("ensemble", self.ensemble > 1), ("distill_from", bool(self.distill_from)),

@@ -531,7 +531,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         plain = {
             c.name: [got[i] for i, p in enumerate(planned) if p.stage == c.name and i in got]
             for c in dc.change
-            if not c.data_only
+            if not c.beyond_overrides
         }
         by_name = {c.name: c for c in dc.change}
         kinds: dict[str, ChangeRows] = {}

@@ -79,8 +79,13 @@ def format_data_derisk(result: dict[str, Any]) -> str:
         "training; a planted win's extra tokens).",
         *(["", "Tuned per scale on the validation split:", *notes] if notes else []),
         "",
-        "Seed noise (pooled std of held-out loss at the smallest scale): "
-        f"{result['seed_sigma']:.4f} nats/token.",
+        "Seed noise (std of held-out loss over a run's seeds, nats/token; each size's intervals use its "
+        "own, drawn as its degrees of freedom allow): "
+        + ", ".join(
+            f"C{s['budget']:.3g}: {s['sigma']:.4f} ({s['dof']} dof{'' if s['own'] else ', borrowed'})"
+            for s in result.get("seed_sigma_by_scale", [])
+        )
+        + f"; pooled {result['seed_sigma']:.4f}.",
     ]
     return "\n".join(lines) + "\n"
 
