@@ -14,6 +14,8 @@ from tenx.utils.io import save_png
 
 SHOWN = (0.01, 100.0)
 """The multipliers the plot shows: interval bounds beyond (infinite ones too) run off its axis."""
+OPEN = 3.0
+"""The plot's axis spans interval bounds within this factor of their multiplier; wider ones are arrows."""
 
 
 def format_data_derisk(result: dict[str, Any]) -> str:
@@ -131,6 +133,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     scales = np.array(result["budgets"])
     any_shown = False
     drawn = [1.0]  # the multipliers and interval bounds drawn: the axis spans them (within SHOWN)
+    beyond: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any]] = []  # each change's x, high, low, color
     for i, ch in enumerate(result["changes"]):
         y = np.array(ch["multipliers"])
         shown = np.isfinite(y) & (y > 0)  # an infinite multiplier (past the law's floor) has no point
@@ -142,17 +145,32 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
             err = np.clip(np.array([y - low, high - y]), 0, None)
         err = np.nan_to_num(err, nan=0.0, posinf=0.0)[:, shown]
         dodge = 1.04 ** (i - (len(result["changes"]) - 1) / 2)  # side by side: overlapping bars stay legible
-        ax2.errorbar(scales[shown] * dodge, y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
-        drawn += [*(y[shown] - err[0]), *(y[shown] + err[1])]
+        line = ax2.errorbar(scales[shown] * dodge, y[shown], yerr=err, fmt="o-", capsize=3, label=ch["name"])
+        # the axis spans the points and the bounds within a factor OPEN of them; a bound beyond is drawn as
+        # an arrow at the panel's edge (its figure is in the report), not as a bar that flattens the others
+        near = (y[shown] + err[1] <= OPEN * y[shown], y[shown] - err[0] >= y[shown] / OPEN)
+        drawn += [*y[shown], *(y[shown] + err[1])[near[0]], *(y[shown] - err[0])[near[1]]]
+        beyond.append((scales[shown] * dodge, y[shown] + err[1], y[shown] - err[0], line[0].get_color()))
         any_shown |= bool(shown.any())
     ax2.axhline(1.0, color="k", lw=0.8)
     if any_shown:  # else an empty panel: every multiplier lies past the law's floor
         ax2.set_xscale("log")
         ax2.set_yscale("log", nonpositive="clip")
         bounds = np.array([v for v in drawn if v > 0])
-        ax2.set_ylim(max(SHOWN[0], bounds.min() / 1.25), min(SHOWN[1], bounds.max() * 1.25))
+        bottom, top = max(SHOWN[0], bounds.min() / 1.25), min(SHOWN[1], bounds.max() * 1.25)
+        ax2.set_ylim(bottom, top)
+        for x, high, low, color in beyond:
+            up, down = high > top, low < bottom
+            ax2.plot(x[up], np.full(up.sum(), top / 1.03), "^", color=color, ms=7)
+            ax2.plot(x[down], np.full(down.sum(), bottom * 1.03), "v", color=color, ms=7)
         ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded labels on a short decade
-    ax2.set_xlabel("training FLOPs of the scale")
+    past = any_shown and any(
+        (h > ax2.get_ylim()[1]).any() or (lo < ax2.get_ylim()[0]).any() for _, h, lo, _ in beyond
+    )
+    ax2.set_xlabel(
+        "training FLOPs of the scale"
+        + ("\n(an arrow: the interval runs past the edge; report.md has its bound)" if past else "")
+    )
     ax2.set_ylabel("effective data multiplier")
     ax2.set_title(f"at {result['compare_unique_tokens']:,} unique tokens")
     ax2.grid(alpha=0.3, which="both")
