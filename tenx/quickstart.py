@@ -63,13 +63,14 @@ def quickstart(
     minutes: float = 10.0,
     source: str = "stdlib",
     tokenizer: str = "bpe",
+    vocab_size: int = 4096,
     overrides: list[str] | None = None,
     started: float | None = None,
 ) -> dict[str, Any]:
     """Run the quickstart into `out` within about `minutes` of wall time; returns (and writes)
     summary.json. `steps` fixes the step count instead of fitting it to the budget.
 
-    `source`, `tokenizer` and config `overrides` exist for tests and experiments; the defaults are the
+    `source`, `tokenizer`, `vocab_size` and config `overrides` exist for tests and experiments; the defaults are the
     README's main job. `started`: the Unix time the budget counts from (default: this call; `tenx
     quickstart` gives its process's start, so that its imports count too).
     """
@@ -82,7 +83,7 @@ def quickstart(
     data_dir, run_dir = out / "data", out / "run"
     run = rundir.RunDir(run_dir)
 
-    prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=4096)
+    prep = PrepareConfig(source=source, out=str(data_dir), tokenizer=tokenizer, vocab_size=vocab_size)
     if is_prepared(prep):
         print(f"[1/4] reusing prepared data in {data_dir}")
     else:
