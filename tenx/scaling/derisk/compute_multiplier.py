@@ -158,7 +158,7 @@ class DeriskConfig:
             )
         if self.ladder.unique_tokens is not None:
             raise ConfigError("ladder.unique_tokens: mode 'data' sets each run's cap itself; leave it out")
-        for where, seeds in [("law_seeds", self.law_seeds)] + [
+        for where, seeds in [("law_seeds (--law-seeds)", self.law_seeds)] + [
             (f"change {c.name!r}: seeds", c.seeds) for c in self.change
         ]:
             if seeds and (

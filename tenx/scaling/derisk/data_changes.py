@@ -184,21 +184,18 @@ def assemble_ensembles(
 
 def ensemble_rows(
     change: ChangeConfig,
-    planned: list[DataRun],
-    found: dict[int, dict[str, Any]],
-    scales: list[float],
-    seeds_at: dict[float, int],
+    made: list[list[tuple[Path, list[dict[str, Any]]]]],
     out: str | Path,
     eval_bytes: int,
 ) -> ChangeRows:
-    """Each ensemble of `change` assembled (assemble_ensembles) and scored on the held-out split (cached in
-    OUT/ensembles/scores.json, by its members' keys)."""
+    """Each ensemble of `change` that assemble_ensembles `made` (per scale), scored on the held-out split
+    (cached in OUT/ensembles/scores.json, by its members' keys)."""
     cache_path = Path(out) / ENSEMBLES / SCORES
     cache: dict[str, Any] = read_json_object(cache_path) if cache_path.exists() else {}
     rows, independent = [], []
-    for scale, made in zip(scales, assemble_ensembles(change, planned, found, scales, seeds_at, out)):
+    for at_scale in made:
         at = []
-        for j, (target, chosen) in enumerate(made):
+        for j, (target, chosen) in enumerate(at_scale):
             key = "+".join(r["key"] for r in chosen)
             if key not in cache:
                 ev = evaluate_run(target, eval_bytes, ("heldout",))
@@ -206,7 +203,7 @@ def ensemble_rows(
                 atomic_write_json(cache_path, cache)
             at.append({**chosen[0], "heldout_loss": cache[key], "ensemble": j, "members": len(chosen)})
         rows.append(at)
-        members = len(stage_rows(found, planned, f"{change.name}/member", scale))
+        members = len({r["key"] for _, chosen in at_scale for r in chosen})  # every member serves
         independent.append(max(1, min(len(at), members // change.ensemble)))
     return ChangeRows(
         rows, independent=independent, compute_multiple=float(change.ensemble), single_runs=False

@@ -537,7 +537,8 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         kinds: dict[str, ChangeRows] = {}
         for c in dc.change:
             if c.ensemble > 1:
-                kinds[c.name] = ensemble_rows(c, planned, got, scales, seeds_at(c), out, dc.ladder.eval_bytes)
+                made = assemble_ensembles(c, planned, got, scales, seeds_at(c), out)
+                kinds[c.name] = ensemble_rows(c, made, out, dc.ladder.eval_bytes)
             elif c.sweep or c.baseline_sweep:
                 kinds[c.name] = tuned_rows(c, planned, got, scales, out / "ladder", dc.ladder.eval_bytes)
             elif c.planted or c.distill_from:
