@@ -686,3 +686,26 @@ def test_a_change_trains_its_own_seeds_and_the_teachers_members_train_first(tiny
         dc.validate()
     with pytest.raises(ConfigError, match="change 's': seeds: only mode 'data' uses them"):
         DeriskConfig(change=[ChangeConfig(name="s", set=["optim.eps=1e-7"], seeds=[1, 1, 1])]).validate()
+
+
+def test_a_run_two_parts_share_counts_once_in_the_seed_noise():
+    """A tuned change that picked the baseline's own setting reads the baseline's runs: their seeds must not
+    count twice (twice the degrees of freedom would narrow every interval for no new repeat)."""
+    from tenx.scaling.derisk.data_changes import ChangeRows
+
+    dc, baseline, changes = synthetic_study(noise=1e-3, seeds=3)
+    dc = dataclasses.replace(dc, bootstrap=0)
+    for i, r in enumerate(baseline):
+        r["key"] = f"run{i}"
+    smallest = min(dc.budgets)
+    compared = [r for r in baseline if r["budget"] == smallest and r["unique_tokens"] == dc.compare_u]
+    longest = max(r["tokens"] for r in compared)
+    own = [[r for r in compared if r["tokens"] == longest]] + [
+        [r for r in baseline if r["budget"] == s and r["unique_tokens"] == dc.compare_u][-1:]
+        for s in sorted(dc.budgets)[1:]
+    ]
+    alone = analyse_data(baseline, {"same": changes["same"]}, dc)
+    shared = analyse_data(baseline, {"same": changes["same"]}, dc, {"tuned": ChangeRows(own)})
+    assert len(own[0]) == 3
+    assert shared["seed_sigma_by_scale"][0]["dof"] == alone["seed_sigma_by_scale"][0]["dof"]
+    assert shared["seed_sigma"] == pytest.approx(alone["seed_sigma"])

@@ -246,18 +246,24 @@ def analyse_data(
         raise DataError(f"{e} (baseline of the data-mode study: add budgets or unique_tokens)") from None
     scales = sorted(dc.budgets)
     repeats: dict[tuple[str, float, float, float], list[float]] = {}
+    counted: set[str] = set()  # a run two parts share (a tuned change that picked the baseline) counts once
+
+    def add(part: str, scale: float, r: dict[str, Any]) -> None:
+        if r.get("key") is not None:
+            if r["key"] in counted:
+                return
+            counted.add(r["key"])
+        repeats.setdefault((part, scale, r["tokens"], r["unique_tokens"]), []).append(r["heldout_loss"])
+
     for name, rows in {"baseline": baseline, **changes}.items():
         for r in rows:
-            repeats.setdefault((name, r["budget"], r["tokens"], r["unique_tokens"]), []).append(
-                r["heldout_loss"]
-            )
+            add(name, r["budget"], r)
     for name, kind in kinds.items():
         if kind.single_runs:  # an ensemble's rows are neither one run's nor independent
             for part, rows_at in ((name, kind.rows), (f"{name}/anchor", kind.anchors or [])):
                 for s, at in zip(scales, rows_at):
                     for r in at:
-                        key = (part, s, r["tokens"], r["unique_tokens"])
-                        repeats.setdefault(key, []).append(r["heldout_loss"])
+                        add(part, s, r)
     noise = seed_noise(repeats, scales)
     sigma, dof = noise["pooled"]
     point = np.array([[fit.params[k] for k in LAW_PARAMS]])
@@ -376,8 +382,8 @@ def seed_noise(repeats: dict[tuple[Any, ...], list[float]], scales: list[float])
     its seeds' held-out losses): {scale: (sigma, dof, own)} with the pooled standard deviation over that
     scale's runs of 2 or more seeds and its degrees of freedom; a scale with no repeat borrows the pooled
     figure of every scale (own False, and a warning says so), since the noise differs between sizes (the
-    shipped study: 0.044 nats at depth 1, whose rare slow runs widen it, against 0.02-0.03 at depths 2 and
-    3); 'pooled': (sigma, dof) over all scales; 'warnings'."""
+    shipped study: 0.05 nats at depth 1, whose rare slow runs widen it, against 0.017 and 0.027 at depths 2
+    and 3); 'pooled': (sigma, dof) over all scales; 'warnings'."""
     ss: dict[float, float] = {s: 0.0 for s in scales}
     df: dict[float, int] = {s: 0 for s in scales}
     for (_, scale, *_), losses in repeats.items():
