@@ -83,9 +83,7 @@ class ChangeConfig:
     def beyond_overrides(self) -> bool:
         """A kind of change other than overrides (an ensemble, a student, a sweep, a planted win), which the
         data mode plans and reads its own way (tenx.scaling.derisk.data_changes); `seeds` alone is not."""
-        return bool(
-            self.ensemble > 1 or self.distill_from or self.sweep or self.baseline_sweep or self.planted
-        )
+        return any(k != "seeds" for k in self.data_only)
 
     @property
     def data_only(self) -> list[str]:

@@ -95,20 +95,22 @@ def effective_data_multiplier(values: np.ndarray, N: Any, loss: Any, baseline_lo
 
 
 # ----- planning --------------------------------------------------------------------------------------
-def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
-    """The seeds of the baseline's runs at budget `scale`: dc.law_seeds, else dc.seeds at the smallest
-    budget and 1 at the others."""
-    if dc.law_seeds:
-        return dc.law_seeds[sorted(dc.budgets).index(scale)]
+def per_budget_seeds(dc: DeriskConfig, counts: list[int], scale: float) -> int:
+    """The seeds at budget `scale` of per-budget `counts` (smallest budget first: law_seeds, a change's
+    `seeds`), else dc.seeds at the smallest budget and 1 at the others."""
+    if counts:
+        return counts[sorted(dc.budgets).index(scale)]
     return dc.seeds if scale == min(dc.budgets) else 1
+
+
+def baseline_seeds(dc: DeriskConfig, scale: float) -> int:
+    """The seeds of the baseline's runs at budget `scale` (dc.law_seeds, else the default)."""
+    return per_budget_seeds(dc, dc.law_seeds, scale)
 
 
 def change_seeds(dc: DeriskConfig, change: ChangeConfig, scale: float) -> int:
-    """The seeds `change` trains at budget `scale`: its own `seeds`, else dc.seeds at the smallest budget
-    and 1 at the others."""
-    if change.seeds:
-        return change.seeds[sorted(dc.budgets).index(scale)]
-    return dc.seeds if scale == min(dc.budgets) else 1
+    """The seeds `change` trains at budget `scale` (its own `seeds`, else the default)."""
+    return per_budget_seeds(dc, change.seeds, scale)
 
 
 def plan_data_derisk(dc: DeriskConfig, *, dry_run: bool = False, out: str | Path = ".") -> list[DataRun]:
@@ -510,7 +512,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
     scales = sorted(dc.budgets)
     ensembles = [c for c in dc.change if c.ensemble > 1]
 
-    def seeds_at(c: ChangeConfig) -> dict[float, int]:
+    def counts(c: ChangeConfig) -> dict[float, int]:
         return {s: change_seeds(dc, c, s) for s in scales}
 
     def found(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -520,7 +522,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         teachers = {c.distill_from for c in dc.change}
         for c in ensembles:
             if c.name in teachers:  # scored with the others after the last phase (the workers wait now)
-                assemble_ensembles(c, planned, found(rows), scales, seeds_at(c), out)
+                assemble_ensembles(c, planned, found(rows), scales, counts(c), out)
 
     def analysed(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
         got = found(rows)
@@ -543,7 +545,7 @@ def run_data_derisk(dc: DeriskConfig, out: str | Path, *, dry_run: bool = False)
         kinds: dict[str, ChangeRows] = {}
         for c in dc.change:
             if c.ensemble > 1:
-                made = assemble_ensembles(c, planned, got, scales, seeds_at(c), out)
+                made = assemble_ensembles(c, planned, got, scales, counts(c), out)
                 kinds[c.name] = ensemble_rows(c, made, out, dc.ladder.eval_bytes)
             elif c.sweep or c.baseline_sweep:
                 kinds[c.name] = tuned_rows(c, planned, got, scales, out / "ladder", dc.ladder.eval_bytes)

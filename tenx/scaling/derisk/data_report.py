@@ -134,6 +134,7 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
     any_shown = False
     drawn = [1.0]  # the multipliers and interval bounds drawn: the axis spans them (within SHOWN)
     beyond: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any]] = []  # each change's x, high, low, color
+    past = False  # a bound drawn as an arrow past the axis
     for i, ch in enumerate(result["changes"]):
         y = np.array(ch["multipliers"])
         shown = np.isfinite(y) & (y > 0)  # an infinite multiplier (past the law's floor) has no point
@@ -163,10 +164,8 @@ def plot_data_report(result: dict[str, Any], out_png: str | Path) -> Path:
             up, down = high > top, low < bottom
             ax2.plot(x[up], np.full(up.sum(), top / 1.03), "^", color=color, ms=7)
             ax2.plot(x[down], np.full(down.sum(), bottom * 1.03), "v", color=color, ms=7)
+            past |= bool(up.any() or down.any())
         ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # crowded labels on a short decade
-    past = any_shown and any(
-        (h > ax2.get_ylim()[1]).any() or (lo < ax2.get_ylim()[0]).any() for _, h, lo, _ in beyond
-    )
     ax2.set_xlabel(
         "training FLOPs of the scale"
         + ("\n(an arrow: the interval runs past the edge; report.md has its bound)" if past else "")
