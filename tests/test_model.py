@@ -148,6 +148,35 @@ def test_model_loss_with_targets_matches_logits_then_loss_in_bf16_autocast(monke
         assert torch.allclose(fused[name], p.grad, rtol=0.05, atol=2e-4), name
 
 
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+def test_bf16_token_loss_is_the_fp32_loss_to_bf16_rounding_and_only_for_bf16_logits(z_loss):
+    """train.loss_precision 'bf16': lm_loss's per-token cross-entropy from bf16 logits, its mean in fp32,
+    within 1e-3 (relative) of the fp32 loss and its logit gradient within 1% of the largest entry; fp32
+    logits take the fp32 path bit for bit whatever token_dtype says."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 64, 512)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 512, (2, 64))
+    loss, ce = lm_loss(logits, targets, z_loss, torch.float32, torch.bfloat16)
+    assert loss.dtype == ce.dtype == torch.float32
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().float().requires_grad_()
+    ref_loss, ref_ce = lm_loss(ref_logits, targets, z_loss)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_logits)
+    assert abs(loss.item() / ref_loss.item() - 1) < 1e-3 and abs(ce.item() / ref_ce.item() - 1) < 1e-3
+    assert (grad.float() - ref_grad).abs().max() < 0.01 * ref_grad.abs().max()
+    assert not torch.equal(loss, ref_loss)  # the bf16 path ran: its rounding shows
+    fp32 = logits.detach().float()
+    assert torch.equal(lm_loss(fp32, targets, z_loss, torch.float32, torch.bfloat16)[0], lm_loss(fp32, targets, z_loss)[0])
+
+
+def test_bf16_loss_precision_needs_bf16_logits():
+    from tenx.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="train.loss_precision"):
+        TrainConfig(steps=1, precision="fp32", loss_precision="bf16").validate()
+    TrainConfig(steps=1, precision="auto", loss_precision="bf16").validate()
+
+
 def test_dropout_only_while_training_and_none_drawn_without_it():
     torch.manual_seed(0)
     cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=16, dropout=0.2).resolved(50)

@@ -64,9 +64,17 @@ class StepHooks:
     """After the guard's check: whether the step may be applied (replica groups: every peer finished it)."""
     loss_dtype: torch.dtype = torch.float32
     """The dtype of the loss and the loss sum (float64 on replay's reference path)."""
+    token_loss_dtype: torch.dtype | None = None
+    """Each token's cross-entropy in this dtype when the logits are in it (`train.loss_precision = "bf16"`;
+    tenx.model.transformer.lm_loss), its mean in `loss_dtype`; None: all in `loss_dtype`."""
     catch_errors: bool = False
     """Return an exception a forward, a backward or `reduce` raises as the result (replay compares it with a
     recorded crash) instead of raising it; a DataError (the data, not the step) is raised all the same."""
+
+
+def token_loss_dtype(loss_precision: str) -> torch.dtype | None:
+    """StepHooks.token_loss_dtype for `train.loss_precision`."""
+    return torch.bfloat16 if loss_precision == "bf16" else None
 
 
 @dataclass
@@ -130,7 +138,7 @@ def take_step(
                 for i, (inputs, targets) in enumerate(batches):
                     with hooks.gradient_sync(i == accum - 1):
                         with hooks.forward_context():  # the output layer and the loss, fused, inside
-                            loss, ce = _loss(forward, teacher, inputs, targets, hooks.loss_dtype)
+                            loss, ce = _loss(forward, teacher, inputs, targets, hooks)
                         (loss / accum).backward()
                     loss_sum += ce.detach()
                 losses.append(loss_sum)
@@ -166,14 +174,17 @@ def _loss(
     teacher: Teacher | None,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    loss_dtype: torch.dtype,
+    hooks: StepHooks,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to optimise, the figures to sum): the mean cross-entropy; with a teacher, the vector
     [mean cross-entropy, mean H(teacher, student), mean KL(teacher || student)]."""
+    dtypes: dict[str, Any] = {"loss_dtype": hooks.loss_dtype}
+    if hooks.token_loss_dtype is not None:
+        dtypes["token_loss_dtype"] = hooks.token_loss_dtype
     if teacher is None:
-        return forward(inputs, targets, loss_dtype=loss_dtype)  # type: ignore[no-any-return]
+        return forward(inputs, targets, **dtypes)  # type: ignore[no-any-return]
     soft = teacher.soft_targets(inputs)
-    loss, ce, distill = forward(inputs, targets, loss_dtype=loss_dtype, teacher=soft)
+    loss, ce, distill = forward(inputs, targets, teacher=soft, **dtypes)
     return loss, torch.cat([ce.reshape(1), distill])
 
 

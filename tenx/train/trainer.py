@@ -44,7 +44,7 @@ from tenx.train.mfu import MfuMeter
 from tenx.train.parts import Parts, build_parts
 from tenx.train.rng import seed_everything
 from tenx.train.state import TrainerState, git_commit
-from tenx.train.step import StepHooks, take_step
+from tenx.train.step import StepHooks, take_step, token_loss_dtype
 from tenx.utils.cpus import choose_threads, env_threads
 
 __all__ = ["Callback", "Trainer", "git_commit", "resolve_precision", "seed_everything"]
@@ -176,6 +176,7 @@ class Trainer(TrainerState):
             self.device,
             hooks=StepHooks(
                 forward_context=self.autocast,
+                token_loss_dtype=token_loss_dtype(self.cfg.train.loss_precision),
                 gradient_sync=self._gradient_sync,
                 reduce=self._reduce,
                 commit=self.sync.commit,

@@ -57,7 +57,7 @@ from tenx.train.distill import replay_teacher
 from tenx.train.float8 import restore_plain_linears
 from tenx.train.guard import StepGuard
 from tenx.train.parts import build_model_parts, run_shape, validation_stream
-from tenx.train.step import StepHooks, take_step
+from tenx.train.step import StepHooks, take_step, token_loss_dtype
 from tenx.triage.outcome import ReplayReport, StepOutcome, outcome_of_record
 from tenx.utils.io import read_json_object
 
@@ -421,6 +421,7 @@ class Replayer:
                 forward_context=self._forward_context,
                 loop_context=lambda: self._executing(capture),
                 loss_dtype=self._loss_dtype,
+                token_loss_dtype=None if self.reference else token_loss_dtype(self.cfg.train.loss_precision),
                 reduce=lambda loss_sum: self._pre_optim_step(step, loss_sum, capture),
                 catch_errors=True,
             ),
