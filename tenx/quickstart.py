@@ -51,6 +51,7 @@ _clock = time.perf_counter  # the quickstart's seconds (tests simulate a machine
 _BUDGET_FIELDS = ("budget_s", "reserve_steps", "max_steps")  # plan.json's settings of the budget
 _SHAPE_KEYS = {"model.depth", "model.d_model"}  # a shape the user chose is kept
 _SMALLER_BELOW = 0.8  # a budget for less than this share of the config's steps trains a shallower model
+_SMALLER_BATCH = 2  # which takes this many times the config's sequences a step (learning rate x its root)
 _PAST_CAP = 1.5  # a machine faster than the config's steps need trains up to this many times them, so the run
 # still ends at its budget (measured on a 2-core Xeon: 2000 steps took 542 s of 600, -9.5%), unless the user
 # set train.steps
@@ -227,11 +228,11 @@ def _plan(
     print(f"[2/4] measuring this machine's training speed ({cpu_name()}, {precision} matmuls)")
     manifest = read_manifest(data_dir)
     heldout_tokens = int(manifest["splits"]["heldout"]["tokens"])
-    tokens_per_step = run_tokens_per_step(cfg.train, cfg.model.seq_len, 1)
     started = _clock() - spent_s  # when the quickstart began
 
     def fit(run_cfg: Any) -> tuple[int, float]:
         """(steps the budget allows, tokens/s) for run_cfg on this machine."""
+        tokens_per_step = run_tokens_per_step(run_cfg.train, run_cfg.model.seq_len, 1)
         tokens_per_s = measure_tokens_per_s(run_cfg, run_cfg.train.micro_batch, steps=4)
         # evaluation is forward-only (about 3x a training step per token), each token scored in two
         # windows; xz -9e, the plot and start-up
@@ -243,19 +244,31 @@ def _plan(
     fitted, tokens_per_s = fit(cfg)
     cap = cfg.train.steps or fitted
     shape_settings: list[str] = []
-    user_shape = any(s.split("=", 1)[0].strip() in _SHAPE_KEYS for s in settings)
-    if fitted < _SMALLER_BELOW * cap and cfg.model.depth > 1 and not user_shape:
-        # Too slow for the whole schedule (an fp32-only CPU): a shallower model at about twice the speed
-        # learns more in the same minutes (measured: depth 3 for 5.3M tokens, 1.441 bits per byte; depth 2
-        # for 11.2M tokens in the same time, 1.372; depth 1 for 14M tokens, 1.487).
-        shape_settings = [f"model.depth={cfg.model.depth - 1}", f"train.steps={2 * cap}"]
-        small = load_run_config(resolve_config_path("quickstart"), settings + shape_settings)
+    user_keys = {s.split("=", 1)[0].strip() for s in settings}
+    if fitted < _SMALLER_BELOW * cap and cfg.model.depth > 1 and not user_keys & _SHAPE_KEYS:
+        # Too slow for the whole schedule (an fp32-only CPU, or one core busy): a shallower model at about
+        # twice the speed learns more in the same minutes (measured: depth 3 for 5.3M tokens, 1.441 bits per
+        # byte; depth 2 for 11.2M tokens in the same time, 1.372; depth 1 for 14M tokens, 1.487). It takes
+        # those tokens in twice the sequences a step rather than twice the steps: at depth 2 on one thread,
+        # 7.8M tokens as 950 steps of 32 sequences reached 1.4676 held-out bits per byte (1.4684 at a
+        # learning rate of 4e-3), as 1,900 of 16 1.4732 and as 475 of 64 1.4833, 2% faster a token
+        shape_settings = [f"model.depth={cfg.model.depth - 1}"]
+        if "train.micro_batch" not in user_keys:
+            shape_settings.append(f"train.micro_batch={_SMALLER_BATCH * cfg.train.micro_batch}")
+            if "optim.lr" not in user_keys:
+                shape_settings.append(f"optim.lr={cfg.optim.lr * math.sqrt(_SMALLER_BATCH):.3g}")
+        more_steps = 1 if "train.micro_batch" not in user_keys else _SMALLER_BATCH
+        small = load_run_config(
+            resolve_config_path("quickstart"), settings + shape_settings + [f"train.steps={more_steps * cap}"]
+        )
         print(
             f"      {tokens_per_s:,.0f} tokens/s at depth {cfg.model.depth} allows only {fitted} of its {cap} "
             f"steps: measuring depth {small.model.depth}, about twice as fast"
+            + (f", {small.train.micro_batch} sequences a step" if more_steps == 1 else "")
         )
         fitted, tokens_per_s = fit(small)
         cap, cfg = small.train.steps or cap, small
+    tokens_per_step = run_tokens_per_step(cfg.train, cfg.model.seq_len, 1)
     past_cap = not any(s.split("=", 1)[0].strip() == "train.steps" for s in settings)
     ceiling = int(_PAST_CAP * cap) if past_cap else cap
     chosen = max(_MIN_STEPS, min(ceiling, fitted))
@@ -264,7 +277,7 @@ def _plan(
     every = max(1, max(chosen, cap // 4) // 5)
     plan = {
         "settings": [
-            *shape_settings[:1],
+            *shape_settings,
             f"train.steps={chosen}",
             f"optim.warmup_steps={min(cfg.optim.warmup_steps, max(1, chosen // 10))}",
             f"train.eval_every={every}",

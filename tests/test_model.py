@@ -169,14 +169,6 @@ def test_bf16_token_loss_is_the_fp32_loss_to_bf16_rounding_and_only_for_bf16_log
     assert torch.equal(lm_loss(fp32, targets, z_loss, torch.float32, torch.bfloat16)[0], lm_loss(fp32, targets, z_loss)[0])
 
 
-def test_bf16_loss_precision_needs_bf16_logits():
-    from tenx.train.config import TrainConfig
-
-    with pytest.raises(ConfigError, match="train.loss_precision"):
-        TrainConfig(steps=1, precision="fp32", loss_precision="bf16").validate()
-    TrainConfig(steps=1, precision="auto", loss_precision="bf16").validate()
-
-
 def test_dropout_only_while_training_and_none_drawn_without_it():
     torch.manual_seed(0)
     cfg = ModelConfig(depth=2, d_model=64, head_dim=16, seq_len=16, dropout=0.2).resolved(50)

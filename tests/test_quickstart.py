@@ -170,6 +170,39 @@ def test_a_cpu_too_slow_for_the_whole_schedule_trains_a_shallower_model(
     assert "depth = 2\n" in (out / "run" / "config.toml").read_text()
 
 
+def test_the_shallower_model_takes_twice_the_sequences_a_step_unless_the_user_set_the_batch(
+    tiny_data, tmp_path, monkeypatch
+):
+    """The fallback depth learns the same tokens in twice the sequences a step at the config's steps, its
+    learning rate times sqrt 2 (measured better per token at depth 2 on one thread); a micro-batch or a
+    learning rate the user set is kept, and the fallback then takes twice the steps instead."""
+    import tenx.quickstart as qs
+
+    seen = []
+
+    def measure(cfg, micro_batch, steps=3):
+        seen.append((cfg.model.depth, micro_batch, cfg.optim.lr))
+        return {3: 1000.0, 2: 2000.0}[cfg.model.depth]
+
+    monkeypatch.setattr(qs, "measure_tokens_per_s", measure)
+    base = ["model.seq_len=64", "train.steps=400"]
+    plan = qs._plan(tmp_path / "a", tiny_data, base, None, 0.5, 0.0, False)
+    assert seen == [(3, 16, 2e-3), (2, 32, pytest.approx(2.83e-3))]
+    assert plan["settings"][:3] == ["model.depth=2", "train.micro_batch=32", "optim.lr=0.00283"]
+    assert plan["max_steps"] == 400  # the config's steps, of twice the tokens each
+    # tokens per step for the plan's own time figures are the fallback's: 32 x 64
+    assert plan["train_seconds_planned"] == pytest.approx(plan["steps"] * 32 * 64 / 2000.0)
+    seen.clear()
+    (tmp_path / "b").mkdir()
+    plan = qs._plan(tmp_path / "b", tiny_data, [*base, "train.micro_batch=8"], None, 0.5, 0.0, False)
+    assert seen == [(3, 8, 2e-3), (2, 8, 2e-3)] and plan["settings"][0] == "model.depth=2"
+    assert "train.micro_batch=16" not in plan["settings"] and plan["max_steps"] == 800
+    seen.clear()
+    (tmp_path / "c").mkdir()
+    plan = qs._plan(tmp_path / "c", tiny_data, [*base, "optim.lr=1e-3"], None, 0.5, 0.0, False)
+    assert seen[-1] == (2, 32, 1e-3) and "optim.lr=0.00141" not in plan["settings"]
+
+
 def test_a_machine_faster_than_the_config_needs_still_fills_its_budget(corpus_dir, tmp_path, monkeypatch):
     """Issue 46: on a 2-core Xeon the config's 2000 steps took 542 s of the 600, ending 9.5% early. A
     machine that fits more than the config's steps trains up to 1.5x them and ends at its budget; a

@@ -118,11 +118,6 @@ class TrainConfig:
             raise ConfigError("train.steps: set only one of train.steps and train.tokens")
         if self.seed < 0:  # numpy's generators take non-negative seeds only
             raise ConfigError(f"train.seed: must be >= 0, got {self.seed}")
-        if self.loss_precision == "bf16" and self.precision == "fp32":
-            raise ConfigError(
-                "train.loss_precision: 'bf16' takes the loss from bf16 logits, and train.precision 'fp32' makes "
-                "none; use precision 'bf16' or 'auto', or loss_precision 'fp32'"
-            )
         if self.device != "auto":
             try:
                 kind = torch.device(self.device).type
