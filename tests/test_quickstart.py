@@ -242,7 +242,8 @@ def test_a_probe_slowed_by_another_program_still_fills_the_budget(corpus_dir, tm
     assert summary["planned_steps"] == 100 and summary["steps"] > 3 * summary["planned_steps"]
     records = [json.loads(line) for line in RunDir(out / "run").metrics.read_text().splitlines()]
     assert records[-1]["step"] == summary["steps"] == records[-2]["planned_steps"]
-    assert records[-1]["lr"] == pytest.approx(2e-3 * 0.1, rel=1e-3)  # the config's floor, at the last step
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert lrs[-1] == 0.0 < lrs[-2]  # the config's decay reaches its floor, zero, at the last step only
     assert "trained" in capsys.readouterr().out
 
 
