@@ -166,7 +166,9 @@ def test_bf16_token_loss_is_the_fp32_loss_to_bf16_rounding_and_only_for_bf16_log
     assert (grad.float() - ref_grad).abs().max() < 0.01 * ref_grad.abs().max()
     assert not torch.equal(loss, ref_loss)  # the bf16 path ran: its rounding shows
     fp32 = logits.detach().float()
-    assert torch.equal(lm_loss(fp32, targets, z_loss, torch.float32, torch.bfloat16)[0], lm_loss(fp32, targets, z_loss)[0])
+    assert torch.equal(
+        lm_loss(fp32, targets, z_loss, torch.float32, torch.bfloat16)[0], lm_loss(fp32, targets, z_loss)[0]
+    )
 
 
 def test_dropout_only_while_training_and_none_drawn_without_it():

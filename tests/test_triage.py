@@ -329,7 +329,9 @@ def test_differing_repeats_are_a_race(clean, monkeypatch):
 
     real = step_module.lm_loss
 
-    def noisy(logits, targets, z_loss=0.0, dtype=torch.float32, token_dtype=None):  # a nondeterministic kernel
+    def noisy(
+        logits, targets, z_loss=0.0, dtype=torch.float32, token_dtype=None
+    ):  # a nondeterministic kernel
         loss, ce = real(logits, targets, z_loss, dtype, token_dtype)
         return loss + 1e-3 * torch.rand(()), ce + 1e-3 * torch.rand(())
 
