@@ -257,14 +257,14 @@ def _plan(
             shape_settings.append(f"train.micro_batch={_SMALLER_BATCH * cfg.train.micro_batch}")
             if "optim.lr" not in user_keys:
                 shape_settings.append(f"optim.lr={cfg.optim.lr * math.sqrt(_SMALLER_BATCH):.3g}")
-        more_steps = 1 if "train.micro_batch" not in user_keys else _SMALLER_BATCH
+        steps_factor = 1 if "train.micro_batch" not in user_keys else _SMALLER_BATCH
         small = load_run_config(
-            resolve_config_path("quickstart"), settings + shape_settings + [f"train.steps={more_steps * cap}"]
+            resolve_config_path("quickstart"), settings + shape_settings + [f"train.steps={steps_factor * cap}"]
         )
         print(
             f"      {tokens_per_s:,.0f} tokens/s at depth {cfg.model.depth} allows only {fitted} of its {cap} "
             f"steps: measuring depth {small.model.depth}, about twice as fast"
-            + (f", {small.train.micro_batch} sequences a step" if more_steps == 1 else "")
+            + (f", {small.train.micro_batch} sequences a step" if steps_factor == 1 else "")
         )
         fitted, tokens_per_s = fit(small)
         cap, cfg = small.train.steps or cap, small
