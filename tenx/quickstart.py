@@ -253,18 +253,19 @@ def _plan(
         # 7.8M tokens as 950 steps of 32 sequences reached 1.4676 held-out bits per byte (1.4684 at a
         # learning rate of 4e-3), as 1,900 of 16 1.4732 and as 475 of 64 1.4833, 2% faster a token
         shape_settings = [f"model.depth={cfg.model.depth - 1}"]
-        if "train.micro_batch" not in user_keys:
+        larger_batch = "train.micro_batch" not in user_keys  # else twice the steps of the user's batch
+        if larger_batch:
             shape_settings.append(f"train.micro_batch={_SMALLER_BATCH * cfg.train.micro_batch}")
             if "optim.lr" not in user_keys:
                 shape_settings.append(f"optim.lr={cfg.optim.lr * math.sqrt(_SMALLER_BATCH):.3g}")
-        steps_factor = 1 if "train.micro_batch" not in user_keys else _SMALLER_BATCH
+        small_steps = cap if larger_batch else _SMALLER_BATCH * cap
         small = load_run_config(
-            resolve_config_path("quickstart"), settings + shape_settings + [f"train.steps={steps_factor * cap}"]
+            resolve_config_path("quickstart"), settings + shape_settings + [f"train.steps={small_steps}"]
         )
         print(
             f"      {tokens_per_s:,.0f} tokens/s at depth {cfg.model.depth} allows only {fitted} of its {cap} "
             f"steps: measuring depth {small.model.depth}, about twice as fast"
-            + (f", {small.train.micro_batch} sequences a step" if steps_factor == 1 else "")
+            + (f", {small.train.micro_batch} sequences a step" if larger_batch else "")
         )
         fitted, tokens_per_s = fit(small)
         cap, cfg = small.train.steps or cap, small

@@ -270,15 +270,12 @@ def lm_loss(
         # each token's cross-entropy from the logits as they are (no fp32 copy), summed in `dtype`
         logits_NV = logits_BTV.flatten(0, 1)
         ce = F.cross_entropy(logits_NV, targets_BT.flatten(), reduction="none").to(dtype).mean()
-        if z_loss == 0.0:
-            return ce, ce
-        lse_N = torch.logsumexp(logits_NV, dim=-1).to(dtype)
-        return ce + z_loss * lse_N.square().mean(), ce
-    logits_NV = logits_BTV.to(dtype).flatten(0, 1)
-    ce = F.cross_entropy(logits_NV, targets_BT.flatten())
+    else:
+        logits_NV = logits_BTV.to(dtype).flatten(0, 1)
+        ce = F.cross_entropy(logits_NV, targets_BT.flatten())
     if z_loss == 0.0:
         return ce, ce
-    lse_N = torch.logsumexp(logits_NV, dim=-1)
+    lse_N = torch.logsumexp(logits_NV, dim=-1).to(dtype)
     return ce + z_loss * lse_N.square().mean(), ce
 
 

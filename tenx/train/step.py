@@ -178,9 +178,7 @@ def _loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to optimise, the figures to sum): the mean cross-entropy; with a teacher, the vector
     [mean cross-entropy, mean H(teacher, student), mean KL(teacher || student)]."""
-    dtypes: dict[str, Any] = {"loss_dtype": hooks.loss_dtype}
-    if hooks.token_loss_dtype is not None:
-        dtypes["token_loss_dtype"] = hooks.token_loss_dtype
+    dtypes = {"loss_dtype": hooks.loss_dtype, "token_loss_dtype": hooks.token_loss_dtype}
     if teacher is None:
         return forward(inputs, targets, **dtypes)  # type: ignore[no-any-return]
     soft = teacher.soft_targets(inputs)
