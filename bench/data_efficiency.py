@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tenx.scaling.derisk.compute_multiplier import load_derisk
-from tenx.scaling.derisk.data_multiplier import point_medians, run_data_derisk
+from tenx.scaling.derisk.data_multiplier import LAW_FIT, point_medians, run_data_derisk
 from tenx.scaling.fit import fit_data_constrained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +63,7 @@ def heldout_errors(baseline: list[dict[str, Any]], seed_sigma: float = math.nan)
             cols["unique_tokens"][train],
             loss[train],
             bootstrap=0,
+            **LAW_FIT,
         )
         N, D, U = (np.array([t[k] for t in test]) for k in range(3))
         return fit.predict(N=N, D=D, U=U)

@@ -105,6 +105,30 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def check_compile_backend(device: torch.device) -> None:
+    """ConfigError naming train.compile when torch.compile cannot build kernels for `device`: inductor
+    writes C++ for a CPU, which needs a compiler (g++ or clang++, or $CXX), and Triton kernels for a GPU.
+    Checked before training starts, where the first compiled step would otherwise fail minutes in."""
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except (exc.InvalidCxxCompiler, RuntimeError, OSError) as e:
+            raise ConfigError(
+                f"train.compile: torch.compile on a CPU builds C++ kernels and finds no C++ compiler ({e}); "
+                "install one (Debian/Ubuntu: apt install g++), or set train.compile=false"
+            ) from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ConfigError(
+                "train.compile: torch.compile on a GPU needs Triton, which does not import here; install "
+                "the triton that matches this torch, or set train.compile=false"
+            )
+
+
 def gpu_has_bf16(device: torch.device) -> bool:
     """True when CUDA device `device` (its index; the current GPU without one) has bf16 tensor cores:
     compute capability 8.0 (Ampere) or later, or any ROCm GPU. `torch.cuda.is_bf16_supported` is not

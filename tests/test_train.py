@@ -15,7 +15,7 @@ import pytest
 
 from tenx import checkpoint as ckpt
 from tenx.cli import main
-from tenx.errors import CheckpointError, DataError, TenxError
+from tenx.errors import CheckpointError, ConfigError, DataError, TenxError
 from tenx.monitor.metrics_file import read_metrics
 from tenx.train.run import train
 
@@ -217,6 +217,21 @@ def test_torch_compile_trains_like_eager(tiny_config, tiny_data, tmp_path):
         tmp_path / "c",
     )[1]
     assert abs(eager["loss"] - compiled["loss"]) < 1e-3
+
+
+def test_compile_without_a_cxx_compiler_names_the_field_before_training(
+    tiny_config, tiny_data, tmp_path, monkeypatch
+):
+    from torch._inductor import cpp_builder, exc
+
+    def missing() -> str:
+        raise exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"train\.compile: .*no C\+\+ compiler.*train\.compile=false"):
+        train(tiny_config(tiny_data, "train.steps=2", "train.compile=true"), run)
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
 def test_resume_into_a_different_model_names_the_fields(tiny_config, tiny_data, tmp_path):

@@ -25,7 +25,7 @@ LADDER_FLAGS: tuple[str, ...] = (
 LADDER_FLAGS += ("max_depth", "unique_tokens", "seeds", "noise_seeds", "eval_bytes", "prepare_source")
 LADDER_FLAGS += ("evals_per_run", "prepare_tokenizer", "workers")
 """The LadderConfig fields `tenx ladder` takes as flags (--budgets is parsed from text: parse_budgets)."""
-FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents", "excess_params")
+FIT_FLAGS = ("bootstrap", "seed", "huber_delta", "tie_exponents", "excess_params", "joint")
 """The FitConfig fields `tenx fit` takes as flags."""
 
 

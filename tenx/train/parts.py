@@ -23,7 +23,13 @@ from tenx import checkpoint as ckpt
 from tenx.data.loader import TokenLoader, TokenStream
 from tenx.data.loader import train_stream as data_train_stream
 from tenx.errors import ConfigError, TenxError
-from tenx.hardware import peak_flops, pick_device, resolve_precision, tune_cpu_allocator
+from tenx.hardware import (
+    check_compile_backend,
+    peak_flops,
+    pick_device,
+    resolve_precision,
+    tune_cpu_allocator,
+)
 from tenx.model.config import ModelConfig
 from tenx.model.flops import ParamCount, count_params, flops_per_token
 from tenx.model.transformer import Transformer
@@ -118,6 +124,8 @@ def build_model_parts(
     `wrap` applies the parallel strategy (tenx.parallel.distributed.wrap_model) before the optimizer is
     built, since FSDP2 replaces the parameters; replay runs the model as it is, uncompiled. `teacher`, loaded
     once by the caller (tenx.train.distill), joins the parts as it is."""
+    if compile:
+        check_compile_backend(device)
     seed_everything(cfg.train.seed)
     raw_model = Transformer(model_cfg).to(device)
     if cfg.train.precision == "fp8":  # before the wrapper and torch.compile, as torchao requires

@@ -94,6 +94,15 @@ def effective_data_multiplier(values: np.ndarray, N: Any, loss: Any, baseline_lo
         return np.where(np.isinf(anchor), np.nan, data_needed(values, N, loss) / anchor)
 
 
+LAW_FIT = {"joint": True}
+"""How the study fits its law (FitConfig): E, A, B, alpha, beta and R*_D together on every baseline point.
+Its single-epoch points are fresh runs at two token counts a size, which cannot pin beta alone: fitted
+first on them (Muennighoff et al.'s two stages), the law swung between degenerate optima on two passes of
+the same study whose losses differed by about 0.01 nats (E at its lower bound on one, beta at its upper
+bound of 5 on the other, which read every 8-epoch point 4-7% low and several changes as infinite
+multipliers); the repeated points' effective data D' spans the range that pins it (docs/data-efficiency.md)."""
+
+
 # ----- planning --------------------------------------------------------------------------------------
 def per_budget_seeds(dc: DeriskConfig, counts: list[int], scale: float) -> int:
     """The seeds at budget `scale` of per-budget `counts` (smallest budget first: law_seeds, a change's
@@ -243,6 +252,7 @@ def analyse_data(
             _column(points, "unique_tokens"),
             _column(points, "heldout_loss"),
             bootstrap=dc.bootstrap,
+            **LAW_FIT,
         )
     except DataError as e:
         raise DataError(f"{e} (baseline of the data-mode study: add budgets or unique_tokens)") from None

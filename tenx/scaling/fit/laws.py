@@ -102,6 +102,14 @@ class FitConfig:
     tie_exponents: bool = field(
         False, help="chinchilla: one exponent for N and D (Gadre et al. 2024's form E + A/N^a + B/D^a)"
     )
+    joint: bool = field(
+        False,
+        help="data-constrained: fit E, A, B, alpha, beta and R*_D together on every run, single-epoch and "
+        "repeated, instead of Muennighoff et al.'s two stages (Chinchilla on the single-epoch runs, then R*_D "
+        "on all): for runs whose single-epoch ones cover too few token counts to pin beta on their own (two, "
+        "in the data-efficiency study), where the repeated runs' effective data D' does; not with "
+        "excess_params",
+    )
     excess_params: bool = field(
         False,
         help="data-constrained: parameters beyond what the unique tokens can use count for less, as "
@@ -356,7 +364,11 @@ def _check_arrays(what: str, **arrays: Any) -> dict[str, np.ndarray]:
 _OPTIONS = frozenset(f.name for f in dataclasses.fields(FitConfig))
 
 
-_LAW_OPTIONS = {"tie_exponents": "fit_chinchilla", "excess_params": "fit_data_constrained"}
+_LAW_OPTIONS = {
+    "tie_exponents": "fit_chinchilla",
+    "excess_params": "fit_data_constrained",
+    "joint": "fit_data_constrained",
+}
 """The options of one fit function alone."""
 
 
@@ -479,6 +491,96 @@ def _fit_decays(
     return np.asarray(best_x, dtype=float)
 
 
+def _joint_objective(
+    N: np.ndarray, D: np.ndarray, U: np.ndarray, logL: np.ndarray, delta: float
+) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
+    """The Huber loss of log L(N, D, U) against logL, and its gradient, in x = (log E, log A, log B, alpha,
+    beta, log R*_D)."""
+    R_D = np.maximum(D / U - 1.0, 0.0)
+    log_n = np.log(N)
+
+    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
+        log_e, log_a, log_b, alpha, beta, log_r = (float(v) for v in x)
+        log_d, dlogd_dlogr = _discount(U, R_D, math.exp(log_r))
+        n_term, d_term = log_a - alpha * log_n, log_b - beta * log_d
+        pred = np.logaddexp(np.logaddexp(n_term, d_term), log_e)
+        r = pred - logL
+        quadratic = np.abs(r) <= delta
+        loss = np.where(quadratic, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta)
+        psi = np.where(quadratic, r / delta, np.sign(r))
+        w_e, w_n, w_d = np.exp(log_e - pred), np.exp(n_term - pred), np.exp(d_term - pred)
+        grad = [psi @ w_e, psi @ w_n, psi @ w_d, -(psi @ (w_n * log_n)), -(psi @ (w_d * log_d))]
+        grad.append(psi @ (w_d * -beta * dlogd_dlogr))
+        return float(loss.sum()), np.array(grad, dtype=float)
+
+    return objective
+
+
+_JOINT_BOUNDS = [
+    _LOG_E_BOUNDS,
+    (None, None),
+    (None, None),
+    _EXPONENT_BOUNDS,
+    _EXPONENT_BOUNDS,
+    _LOG_R_STAR_BOUNDS,
+]
+
+
+def _to_joint(values: np.ndarray) -> np.ndarray:
+    """Named (E, A, B, alpha, beta, R*_D) -> the joint fit's x (module: _joint_objective)."""
+    E, A, B, alpha, beta, r = (float(v) for v in values[:6])
+    return np.array([_log(E), _log(A), _log(B), alpha, beta, math.log(r)])
+
+
+def _joint_starts(
+    N: np.ndarray,
+    D: np.ndarray,
+    U: np.ndarray,
+    logL: np.ndarray,
+    delta: float,
+    two_stage: np.ndarray,
+    count: int,
+) -> np.ndarray:
+    """Where the joint fit starts (in its x): the two-stage optimum, then the `count` points (64 at least) of
+    Hoffmann et al.'s grid crossed with the R*_D grid whose loss is lowest (every point is evaluated)."""
+    g = _HOFFMANN_GRID
+    grid = np.array(
+        list(itertools.product(g["e"], g["a"], g["b"], g["alpha"], g["beta"], np.log(_R_STAR_GRID))),
+        dtype=float,
+    )
+    R_D = np.maximum(D / U - 1.0, 0.0)
+    log_d = np.stack([_discount(U, R_D, r)[0] for r in _R_STAR_GRID])  # (R*, n)
+    which = np.searchsorted(np.log(_R_STAR_GRID), grid[:, 5])  # each grid row's R* index
+    n_term = grid[:, 1:2] - grid[:, 3:4] * np.log(N)[None, :]
+    d_term = grid[:, 2:3] - grid[:, 4:5] * log_d[which]
+    r = np.logaddexp(np.logaddexp(n_term, d_term), grid[:, 0:1]) - logL[None, :]
+    losses = np.where(np.abs(r) <= delta, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta).sum(axis=1)
+    best = grid[np.argsort(losses, kind="stable")[: max(count, 64)]]
+    return np.vstack([_to_joint(two_stage)[None, :], best])
+
+
+def _fit_joint(
+    N: np.ndarray, D: np.ndarray, U: np.ndarray, logL: np.ndarray, delta: float, starts: np.ndarray
+) -> np.ndarray:
+    """E, A, B, alpha, beta, R*_D minimising the Huber loss of every run together: L-BFGS-B from each row of
+    `starts` (the joint x), the best kept, as named values."""
+    objective = _joint_objective(N, D, U, logL, delta)
+    best_value, best_x = math.inf, starts[0]
+    for start in starts:
+        res = minimize(
+            objective,
+            np.array(start, dtype=float),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=_JOINT_BOUNDS,
+            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": 5000},
+        )
+        if res.fun < best_value:
+            best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
+    log_e, log_a, log_b, alpha, beta, log_r = best_x
+    return np.array([math.exp(log_e), math.exp(log_a), math.exp(log_b), alpha, beta, math.exp(log_r)])
+
+
 @with_serial_blas
 def data_constrained_shortfall(N: Any, D: Any, U: Any) -> str | None:
     """Why L(N, D, U) cannot be fitted to runs of N parameters, D tokens and U unique tokens (arrays), or
@@ -514,6 +616,8 @@ def fit_data_constrained(
     `options`: FitConfig's fields but tie_exponents, as keywords.
     """
     cfg = _config("fit_data_constrained", options)
+    if cfg.joint and cfg.excess_params:
+        raise ConfigError("fit.joint: the joint fit has no R*_N term; leave out excess_params or joint")
     a = _check_arrays("fit_data_constrained", N=N, D=D, U=U, L=L)
     a["U"] = np.minimum(a["U"], a["D"])  # unique tokens read: a single-epoch run reads D of them
     single = a["D"] <= a["U"] * (1 + 1e-9)
@@ -543,6 +647,11 @@ def fit_data_constrained(
     r_grid = np.array(list(itertools.product(_R_STAR_GRID, repeat=2 if cfg.excess_params else 1)))
     values = fit_once(everything, optima[:1], r_grid)
     names = ("E", "A", "B", "alpha", "beta", "R_D_star") + (("R_N_star",) if cfg.excess_params else ())
+    if cfg.joint:
+        runs = (a["N"], a["D"], a["U"], logL, cfg.huber_delta)
+        joint_starts = _joint_starts(*runs, values, cfg.starts)
+        values = _fit_joint(*runs, joint_starts)
+        refit_starts = np.vstack([values[None, :], joint_starts[: cfg.bootstrap_starts]])
     rng = np.random.default_rng(cfg.seed)
     samples = np.empty((cfg.bootstrap, len(names)))
     for i in range(cfg.bootstrap):
@@ -550,7 +659,12 @@ def fit_data_constrained(
         index = np.concatenate(
             [resample(rng, single_idx, features, 5), rng.choice(repeated_idx, len(repeated_idx))]
         )
-        samples[i] = fit_once(index, optima, values[None, 5:])
+        if cfg.joint:
+            samples[i] = _fit_joint(
+                a["N"][index], a["D"][index], a["U"][index], logL[index], cfg.huber_delta, refit_starts
+            )
+        else:
+            samples[i] = fit_once(index, optima, values[None, 5:])
     result = FitResult(
         law="data-constrained",
         form=EXCESS_PARAMS_FORM if cfg.excess_params else DATA_CONSTRAINED_FORM,
@@ -565,6 +679,7 @@ def fit_data_constrained(
             "seed": cfg.seed,
             "n_single_epoch": int(single.sum()),
             "n_repeated": int((~single).sum()),
+            "joint": cfg.joint,
         },
     )
     resid = np.log(result.predict(N=a["N"], D=a["D"], U=a["U"])) - logL

@@ -288,6 +288,7 @@ def run_fit(
     huber_delta: float = 1e-3,
     tie_exponents: bool = False,
     excess_params: bool = False,
+    joint: bool = False,
     min_tokens_per_param: float = 0.0,
     max_residual: float = 0.05,
     force: bool = False,
@@ -323,6 +324,12 @@ def run_fit(
         if law != "data-constrained":
             raise ConfigError("--excess-params: only with --law data-constrained (Muennighoff et al.'s R*_N)")
         kw["excess_params"] = True
+    if joint:
+        if law != "data-constrained":
+            raise ConfigError(
+                "--joint: only with --law data-constrained (the two stages it replaces are that law's)"
+            )
+        kw["joint"] = True
     keep, reasons = select_runs(
         table, law, min_tokens_per_param=min_tokens_per_param, max_residual=max_residual, **kw
     )
