@@ -234,6 +234,24 @@ def test_compile_without_a_cxx_compiler_names_the_field_before_training(
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
+def test_each_compiled_run_starts_dynamo_afresh(tiny_config, tiny_data, tmp_path, monkeypatch):
+    # a ladder's worker trains run after run in one process: past dynamo's recompile limit it would run a
+    # later run's new model shape eagerly, silently, so every compiled run resets dynamo before compiling
+    import torch
+    from torch._inductor import cpp_builder
+
+    calls = []
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append("compile") or model)
+    for depth in (1, 2):
+        train(
+            tiny_config(tiny_data, "train.steps=1", "train.compile=true", f"model.depth={depth}"),
+            tmp_path / str(depth),
+        )
+    assert calls == ["reset", "compile", "reset", "compile"]
+
+
 def test_resume_into_a_different_model_names_the_fields(tiny_config, tiny_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(tiny_data, "train.steps=2"), run)

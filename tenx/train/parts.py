@@ -132,6 +132,13 @@ def build_model_parts(
         convert_linears_to_float8(raw_model, device)
     model, strategy = wrap(raw_model) if wrap is not None else (raw_model, "none")
     optimizer = build_optimizer(raw_model, cfg.optim, device)
+    if compile:
+        # A process that trains one run after another (a ladder's worker) keeps dynamo's compiled code, and
+        # past torch._dynamo.config.recompile_limit (8) graphs of one function dynamo runs the rest eagerly
+        # without an error: the data-efficiency study's twelfth model shape trained eagerly, so a run's numbers
+        # depended on what its worker had trained before. Each run starts from none (inductor's disk cache
+        # keeps the recompiles to a few seconds)
+        torch._dynamo.reset()
     forward = torch.compile(model) if compile else model
     return ModelParts(raw_model, model, strategy, optimizer, StepGuard(cfg.guard), forward, teacher)
 

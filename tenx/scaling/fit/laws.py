@@ -651,7 +651,9 @@ def fit_data_constrained(
         runs = (a["N"], a["D"], a["U"], logL, cfg.huber_delta)
         joint_starts = _joint_starts(*runs, values, cfg.starts)
         values = _fit_joint(*runs, joint_starts)
-        refit_starts = np.vstack([values[None, :], joint_starts[: cfg.bootstrap_starts]])
+        # each resample's refit starts from the full data's optimum, then the two-stage one and the best grid
+        # point (bootstrap_starts of joint_starts' rows)
+        refit_starts = np.vstack([_to_joint(values)[None, :], joint_starts[: cfg.bootstrap_starts]])
     rng = np.random.default_rng(cfg.seed)
     samples = np.empty((cfg.bootstrap, len(names)))
     for i in range(cfg.bootstrap):
