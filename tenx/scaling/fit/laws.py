@@ -476,6 +476,16 @@ def _fit_decays(
             grad.append(float(psi @ (np.exp(terms[0] - pred) * -alpha * dlogn_dlogr)))
         return float(loss.sum()), np.array(grad)
 
+    return _best_minimum(objective, starts, [_LOG_R_STAR_BOUNDS] * starts.shape[1], maxiter=2000)
+
+
+def _best_minimum(
+    objective: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    starts: np.ndarray,
+    bounds: list[tuple[float | None, float | None]],
+    maxiter: int,
+) -> np.ndarray:
+    """The lowest of L-BFGS-B's minima of `objective` (its value and gradient) from each row of `starts`."""
     best_value, best_x = math.inf, starts[0]
     for start in starts:
         res = minimize(
@@ -483,8 +493,8 @@ def _fit_decays(
             np.array(start, dtype=float),
             jac=True,
             method="L-BFGS-B",
-            bounds=[_LOG_R_STAR_BOUNDS] * starts.shape[1],
-            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": 2000},
+            bounds=bounds,
+            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": maxiter},
         )
         if res.fun < best_value:
             best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
@@ -564,19 +574,7 @@ def _fit_joint(
 ) -> np.ndarray:
     """E, A, B, alpha, beta, R*_D minimising the Huber loss of every run together: L-BFGS-B from each row of
     `starts` (the joint x), the best kept, as named values."""
-    objective = _joint_objective(N, D, U, logL, delta)
-    best_value, best_x = math.inf, starts[0]
-    for start in starts:
-        res = minimize(
-            objective,
-            np.array(start, dtype=float),
-            jac=True,
-            method="L-BFGS-B",
-            bounds=_JOINT_BOUNDS,
-            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": 5000},
-        )
-        if res.fun < best_value:
-            best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
+    best_x = _best_minimum(_joint_objective(N, D, U, logL, delta), starts, _JOINT_BOUNDS, maxiter=5000)
     log_e, log_a, log_b, alpha, beta, log_r = best_x
     return np.array([math.exp(log_e), math.exp(log_a), math.exp(log_b), alpha, beta, math.exp(log_r)])
 
