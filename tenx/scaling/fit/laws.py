@@ -16,13 +16,20 @@ from dataclasses import field as dc_field
 from typing import Any, ClassVar
 
 import numpy as np
-from scipy.optimize import minimize
 
 from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, DataError, TenxError
 from tenx.scaling.fit.repetition import discount as _discount
 from tenx.scaling.fit.repetition import effective_data, unique_params
-from tenx.scaling.fit.solver import Problem, best_starts, logsumexp, optimise, resample, with_serial_blas
+from tenx.scaling.fit.solver import (
+    Problem,
+    best_minimum,
+    best_starts,
+    logsumexp,
+    optimise,
+    resample,
+    with_serial_blas,
+)
 
 LAWS = ("chinchilla", "compute", "data-constrained")
 CHINCHILLA_FORM = "E + A/N^alpha + B/D^beta"
@@ -476,107 +483,7 @@ def _fit_decays(
             grad.append(float(psi @ (np.exp(terms[0] - pred) * -alpha * dlogn_dlogr)))
         return float(loss.sum()), np.array(grad)
 
-    return _best_minimum(objective, starts, [_LOG_R_STAR_BOUNDS] * starts.shape[1], maxiter=2000)
-
-
-def _best_minimum(
-    objective: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    starts: np.ndarray,
-    bounds: list[tuple[float | None, float | None]],
-    maxiter: int,
-) -> np.ndarray:
-    """The lowest of L-BFGS-B's minima of `objective` (its value and gradient) from each row of `starts`."""
-    best_value, best_x = math.inf, starts[0]
-    for start in starts:
-        res = minimize(
-            objective,
-            np.array(start, dtype=float),
-            jac=True,
-            method="L-BFGS-B",
-            bounds=bounds,
-            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": maxiter},
-        )
-        if res.fun < best_value:
-            best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
-    return np.asarray(best_x, dtype=float)
-
-
-def _joint_objective(
-    N: np.ndarray, D: np.ndarray, U: np.ndarray, logL: np.ndarray, delta: float
-) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
-    """The Huber loss of log L(N, D, U) against logL, and its gradient, in x = (log E, log A, log B, alpha,
-    beta, log R*_D)."""
-    R_D = np.maximum(D / U - 1.0, 0.0)
-    log_n = np.log(N)
-
-    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
-        log_e, log_a, log_b, alpha, beta, log_r = (float(v) for v in x)
-        log_d, dlogd_dlogr = _discount(U, R_D, math.exp(log_r))
-        n_term, d_term = log_a - alpha * log_n, log_b - beta * log_d
-        pred = np.logaddexp(np.logaddexp(n_term, d_term), log_e)
-        r = pred - logL
-        quadratic = np.abs(r) <= delta
-        loss = np.where(quadratic, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta)
-        psi = np.where(quadratic, r / delta, np.sign(r))
-        w_e, w_n, w_d = np.exp(log_e - pred), np.exp(n_term - pred), np.exp(d_term - pred)
-        grad = [psi @ w_e, psi @ w_n, psi @ w_d, -(psi @ (w_n * log_n)), -(psi @ (w_d * log_d))]
-        grad.append(psi @ (w_d * -beta * dlogd_dlogr))
-        return float(loss.sum()), np.array(grad, dtype=float)
-
-    return objective
-
-
-_JOINT_BOUNDS = [
-    _LOG_E_BOUNDS,
-    (None, None),
-    (None, None),
-    _EXPONENT_BOUNDS,
-    _EXPONENT_BOUNDS,
-    _LOG_R_STAR_BOUNDS,
-]
-
-
-def _to_joint(values: np.ndarray) -> np.ndarray:
-    """Named (E, A, B, alpha, beta, R*_D) -> the joint fit's x (module: _joint_objective)."""
-    E, A, B, alpha, beta, r = (float(v) for v in values[:6])
-    return np.array([_log(E), _log(A), _log(B), alpha, beta, math.log(r)])
-
-
-def _joint_starts(
-    N: np.ndarray,
-    D: np.ndarray,
-    U: np.ndarray,
-    logL: np.ndarray,
-    delta: float,
-    two_stage: np.ndarray,
-    count: int,
-) -> np.ndarray:
-    """Where the joint fit starts (in its x): the two-stage optimum, then the `count` points (64 at least) of
-    Hoffmann et al.'s grid crossed with the R*_D grid whose loss is lowest (every point is evaluated)."""
-    g = _HOFFMANN_GRID
-    grid = np.array(
-        list(itertools.product(g["e"], g["a"], g["b"], g["alpha"], g["beta"], np.log(_R_STAR_GRID))),
-        dtype=float,
-    )
-    R_D = np.maximum(D / U - 1.0, 0.0)
-    log_d = np.stack([_discount(U, R_D, r)[0] for r in _R_STAR_GRID])  # (R*, n)
-    which = np.searchsorted(np.log(_R_STAR_GRID), grid[:, 5])  # each grid row's R* index
-    n_term = grid[:, 1:2] - grid[:, 3:4] * np.log(N)[None, :]
-    d_term = grid[:, 2:3] - grid[:, 4:5] * log_d[which]
-    r = np.logaddexp(np.logaddexp(n_term, d_term), grid[:, 0:1]) - logL[None, :]
-    losses = np.where(np.abs(r) <= delta, 0.5 * r * r / delta, np.abs(r) - 0.5 * delta).sum(axis=1)
-    best = grid[np.argsort(losses, kind="stable")[: max(count, 64)]]
-    return np.vstack([_to_joint(two_stage)[None, :], best])
-
-
-def _fit_joint(
-    N: np.ndarray, D: np.ndarray, U: np.ndarray, logL: np.ndarray, delta: float, starts: np.ndarray
-) -> np.ndarray:
-    """E, A, B, alpha, beta, R*_D minimising the Huber loss of every run together: L-BFGS-B from each row of
-    `starts` (the joint x), the best kept, as named values."""
-    best_x = _best_minimum(_joint_objective(N, D, U, logL, delta), starts, _JOINT_BOUNDS, maxiter=5000)
-    log_e, log_a, log_b, alpha, beta, log_r = best_x
-    return np.array([math.exp(log_e), math.exp(log_a), math.exp(log_b), alpha, beta, math.exp(log_r)])
+    return best_minimum(objective, starts, [_LOG_R_STAR_BOUNDS] * starts.shape[1], maxiter=2000)
 
 
 @with_serial_blas
@@ -647,6 +554,8 @@ def fit_data_constrained(
     names = ("E", "A", "B", "alpha", "beta", "R_D_star") + (("R_N_star",) if cfg.excess_params else ())
     if cfg.joint:
         runs = (a["N"], a["D"], a["U"], logL, cfg.huber_delta)
+        from tenx.scaling.fit.joint import _fit_joint, _joint_starts, _to_joint
+
         joint_starts = _joint_starts(*runs, values, cfg.starts)
         values = _fit_joint(*runs, joint_starts)
         # each resample's refit starts from the full data's optimum, then the two-stage one and the best grid

@@ -164,3 +164,25 @@ def resample(rng: np.random.Generator, index: np.ndarray, features: np.ndarray, 
         if len(np.unique(sub, axis=0)) >= n_params and all(len(np.unique(col)) >= 2 for col in sub.T):
             return draw
     return draw
+
+
+def best_minimum(
+    objective: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    starts: np.ndarray,
+    bounds: list[tuple[float | None, float | None]],
+    maxiter: int,
+) -> np.ndarray:
+    """The lowest of L-BFGS-B's minima of `objective` (its value and gradient) from each row of `starts`."""
+    best_value, best_x = float("inf"), starts[0]
+    for start in starts:
+        res = minimize(
+            objective,
+            np.array(start, dtype=float),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=bounds,
+            options={"ftol": 1e-14, "gtol": 1e-10, "maxiter": maxiter},
+        )
+        if res.fun < best_value:
+            best_value, best_x = float(res.fun), np.asarray(res.x, dtype=float)
+    return np.asarray(best_x, dtype=float)
