@@ -12,7 +12,8 @@ import numpy as np
 from tenx.scaling.fit.repetition import discount as _discount
 from tenx.scaling.fit.solver import best_minimum
 
-# the bounds and grids of tenx.scaling.fit.laws (which imports this module), as it sets them
+# the bounds of the fitted parameters and Hoffmann et al.'s grid of starting points (uncentred: a = log A,
+# b = log B, e = log E); tenx.scaling.fit.laws fits every law from them
 _LOG_E_BOUNDS = (-10.0, 10.0)
 _EXPONENT_BOUNDS = (0.0, 5.0)
 _LOG_R_STAR_BOUNDS = (math.log(1e-2), math.log(1e6))

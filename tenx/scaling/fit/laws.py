@@ -19,6 +19,16 @@ import numpy as np
 
 from tenx.config import check_bounds, field
 from tenx.errors import ConfigError, DataError, TenxError
+from tenx.scaling.fit.joint import (  # the grids and bounds are the joint fit's too
+    _EXPONENT_BOUNDS,
+    _HOFFMANN_GRID,
+    _LOG_E_BOUNDS,
+    _LOG_R_STAR_BOUNDS,
+    _R_STAR_GRID,
+    _fit_joint,
+    _joint_starts,
+    _to_joint,
+)
 from tenx.scaling.fit.repetition import discount as _discount
 from tenx.scaling.fit.repetition import effective_data, unique_params
 from tenx.scaling.fit.solver import (
@@ -42,14 +52,6 @@ EXCESS_PARAMS_FORM = (
     "N' = U_N + U_N*R_N_star*(1 - exp(-R_N/R_N_star)), U_N = min(N, N_opt(U))"
 )
 
-# Hoffmann et al.'s grid of starting points (in the uncentred parameters a = log A, b = log B, e = log E).
-_HOFFMANN_GRID = {
-    "a": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
-    "b": (0.0, 5.0, 10.0, 15.0, 20.0, 25.0),
-    "e": (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5),
-    "alpha": (0.0, 0.5, 1.0, 1.5, 2.0),
-    "beta": (0.0, 0.5, 1.0, 1.5, 2.0),
-}
 # L(C) has one reducible term; its grid is written directly in centred coordinates: a_c is the log of the
 # reducible loss at the data's geometric-mean compute, so the same grid suits any range of C.
 _COMPUTE_GRID = {
@@ -57,10 +59,6 @@ _COMPUTE_GRID = {
     "e": (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5),
     "alpha": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
 }
-_R_STAR_GRID = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
-_EXPONENT_BOUNDS = (0.0, 5.0)
-_LOG_E_BOUNDS = (-10.0, 10.0)
-_LOG_R_STAR_BOUNDS = (math.log(1e-2), math.log(1e6))
 PARAM_BOUNDS: dict[str, tuple[float, float]] = {
     "E": (math.exp(_LOG_E_BOUNDS[0]), math.exp(_LOG_E_BOUNDS[1])),
     "alpha": _EXPONENT_BOUNDS,
@@ -554,8 +552,6 @@ def fit_data_constrained(
     names = ("E", "A", "B", "alpha", "beta", "R_D_star") + (("R_N_star",) if cfg.excess_params else ())
     if cfg.joint:
         runs = (a["N"], a["D"], a["U"], logL, cfg.huber_delta)
-        from tenx.scaling.fit.joint import _fit_joint, _joint_starts, _to_joint
-
         joint_starts = _joint_starts(*runs, values, cfg.starts)
         values = _fit_joint(*runs, joint_starts)
         # each resample's refit starts from the full data's optimum, then the two-stage one and the best grid
